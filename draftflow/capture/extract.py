@@ -1,0 +1,226 @@
+"""The extract stage: capture one shard's hidden states into a verified capture store.
+
+Flow: read the shard's samples → resume whatever complete chunks a killed run left behind →
+capture the rest chunk by chunk (each engine call is exactly one chunk of samples, so a resumed run
+sends the engine the same batches as an uninterrupted one) → close the store → recompute a few
+samples with transformers and compare → move the finished store into place.
+
+The store is written under ``.<name>.partial`` beside the output: Snakemake deletes a job's
+declared output before rerunning it, which would throw a killed run's chunks away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftflow.capture.backends import (
+    EngineSettings,
+    installed_vllm_version,
+    make_backend,
+    resolve_backend,
+)
+from draftflow.capture.layers import capture_layers
+from draftflow.capture.store import ShardWriter, update_manifest
+from draftflow.capture.verify import CaptureVerificationError, verify_shard
+from draftflow.data.samples import read_samples
+from draftflow.io import read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    fraction: float = 0.02
+    min_mean_cosine: float = 0.995
+    min_p01_cosine: float = 0.95
+    # Reference compute dtype of the hf recomputation.
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """The ``extract:`` section of the config (num_shards excepted)."""
+
+    backend: str = "auto"
+    aux_layers: list[int] | None = None
+    tp_size: int = 1
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.1
+    chunk_samples: int = 64
+    hf_dtype: str = "bfloat16"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    verify: VerifySettings = field(default_factory=VerifySettings)
+
+    @classmethod
+    def from_config(cls, section: dict, trust_remote_code: bool = False) -> ExtractSettings:
+        known = {
+            "backend",
+            "aux_layers",
+            "tp_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "gpu_memory_utilization",
+            "chunk_samples",
+            "hf_dtype",
+        }
+        values = {key: section[key] for key in known if key in section}
+        verify = VerifySettings(**(section.get("verify") or {}))
+        device = "cuda" if section.get("use_gpu", False) else "cpu"
+        return cls(**values, device=device, verify=verify, trust_remote_code=trust_remote_code)
+
+
+def model_revision(model_dir: str | os.PathLike[str]) -> str:
+    """The prepared target's content hash (``draftflow_target.json``), else one computed here."""
+    from draftflow.target.prepare import TARGET_INFO, checkpoint_revision
+
+    info = Path(model_dir) / TARGET_INFO
+    if info.is_file():
+        revision = read_json(info).get("revision")
+        if revision:
+            return str(revision)
+    return checkpoint_revision(model_dir)
+
+
+def partial_dir(out_dir: Path) -> Path:
+    return out_dir.with_name(f".{out_dir.name}.partial")
+
+
+def run_extract(
+    shard_path: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    settings: ExtractSettings,
+) -> dict:
+    """Capture, verify and publish one shard; returns its manifest."""
+    shard_path, out_dir = Path(shard_path), Path(out_dir)
+    table = read_samples(shard_path)
+    ids: list[str] = table.column("id").to_pylist()
+    input_ids: list[list[int]] = table.column("input_ids").to_pylist()
+    loss_masks: list[list[int]] = table.column("loss_mask").to_pylist()
+    layers = capture_layers(model_dir, settings.aux_layers)
+    backend_name = resolve_backend(settings.backend)
+    meta = {
+        "model": str(model_dir),
+        "model_revision": model_revision(model_dir),
+        "backend": backend_name,
+        "vllm_version": installed_vllm_version() if backend_name != "hf" else None,
+        "input": shard_path.name,
+        "input_sha256": sha256_file(shard_path),
+    }
+    engine = EngineSettings(
+        # One spare position: vLLM wants room for the one token it samples.
+        max_model_len=max((len(ids_) for ids_ in input_ids), default=1) + 1,
+        tp_size=settings.tp_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        trust_remote_code=settings.trust_remote_code,
+        hf_dtype=settings.hf_dtype,
+        device=settings.device,
+    )
+    work = partial_dir(out_dir)
+    writer = ShardWriter(
+        work,
+        layer_ids=layers.layer_ids,
+        aux_layer_ids=layers.aux_layer_ids,
+        hidden_size=layers.hidden_size,
+        meta=meta,
+        chunk_samples=settings.chunk_samples,
+    )
+    start = writer.resume_position(ids)
+    log.info(
+        "extract %s: %d samples, %d tokens, layers %s, backend %s; %d already captured",
+        shard_path,
+        len(ids),
+        sum(map(len, input_ids)),
+        layers.layer_ids,
+        backend_name,
+        start,
+    )
+    if start < len(ids):
+        _capture_all(writer, backend_name, model_dir, layers.layer_ids, engine, start, ids,
+                     input_ids, loss_masks, settings.chunk_samples)
+    manifest = writer.close()
+
+    verify = settings.verify
+    results = verify_shard(
+        work,
+        model_dir,
+        fraction=verify.fraction,
+        min_mean_cosine=verify.min_mean_cosine,
+        min_p01_cosine=verify.min_p01_cosine,
+        settings=EngineSettings(
+            max_model_len=engine.max_model_len,
+            hf_dtype=verify.dtype,
+            device=settings.device,
+            trust_remote_code=settings.trust_remote_code,
+        ),
+    )
+    manifest = update_manifest(work, {"verification": results})
+    if not results["passed"]:
+        raise CaptureVerificationError(
+            f"extract {shard_path}: captured states disagree with the hf reference "
+            f"({'; '.join(results['failures'])}); the store is kept in {work} for inspection. "
+            "Thresholds: extract.verify.min_mean_cosine / min_p01_cosine"
+        )
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(work, out_dir)
+    return manifest
+
+
+def _capture_all(
+    writer: ShardWriter,
+    backend_name: str,
+    model_dir: str | os.PathLike[str],
+    layer_ids: list[int],
+    engine: EngineSettings,
+    start: int,
+    ids: list[str],
+    input_ids: list[list[int]],
+    loss_masks: list[list[int]],
+    chunk_samples: int,
+) -> None:
+    backend = make_backend(backend_name, model_dir, layer_ids, engine)
+    total_tokens = sum(len(x) for x in input_ids[start:])
+    progress = tqdm(
+        total=len(ids) - start, desc="extract", unit="sample", mininterval=5
+    )
+    began, done_tokens = time.monotonic(), 0
+    try:
+        # start is a chunk boundary: the store keeps only complete chunks.
+        for first in range(start, len(ids), chunk_samples):
+            batch = range(first, min(first + chunk_samples, len(ids)))
+            states = backend.capture([input_ids[i] for i in batch])
+            for i, sample_states in zip(batch, states, strict=True):
+                writer.add(
+                    ids[i],
+                    torch.tensor(input_ids[i], dtype=torch.int32),
+                    torch.tensor(loss_masks[i], dtype=torch.int8),
+                    sample_states,
+                )
+            done_tokens += sum(len(input_ids[i]) for i in batch)
+            rate = done_tokens / max(time.monotonic() - began, 1e-9)
+            progress.update(len(batch))
+            progress.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+            log.info(
+                "captured %d/%d samples, %d/%d tokens, %.0f tokens/s",
+                batch.stop,
+                len(ids),
+                done_tokens,
+                total_tokens,
+                rate,
+            )
+    finally:
+        progress.close()
+        backend.close()

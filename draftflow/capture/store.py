@@ -1,0 +1,331 @@
+"""The capture store: one directory of safetensors chunks per shard (docs/design.md).
+
+Layout of a shard directory:
+
+- ``chunk-NNNNN.safetensors``: ``hidden_states`` bf16 ``[T, L, H]``, ``input_ids`` int32 ``[T]``,
+  ``loss_mask`` int8 ``[T]``; T = the tokens of the chunk's samples concatenated in sample order.
+  The chunk's safetensors metadata (one key, ``draftflow``, a JSON string) lists its samples and
+  rows, so a restarted job can rebuild the index from the chunks alone.
+- ``index.json``: ``{"samples": [{"id", "chunk", "start", "end"}, ...]}``.
+- ``manifest.json``: sizes, layer ids, provenance and the sha256 of every other file.
+
+Chunk k always holds samples ``[k * chunk_samples, (k + 1) * chunk_samples)`` of the input order,
+so a run that was killed and resumed writes the same bytes as one that was not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftflow.io import atomic_path, atomic_write_json, read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+CHUNK_FORMAT = "draftflow-capture-chunk/1"
+STORE_DTYPE = torch.bfloat16
+INDEX_NAME = "index.json"
+MANIFEST_NAME = "manifest.json"
+_CHUNK_RE = re.compile(r"^chunk-(\d{5})\.safetensors$")
+
+
+class CorruptShardError(RuntimeError):
+    """A shard directory whose files do not match its manifest (or that has none)."""
+
+
+def chunk_name(index: int) -> str:
+    return f"chunk-{index:05d}.safetensors"
+
+
+def _canonical_json(obj: Any) -> str:
+    # Sorted keys and fixed separators: chunk headers must be byte-identical across runs.
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+class ShardWriter:
+    """Append captured samples in input order; resumable after a kill.
+
+    ``meta`` (model path, model_revision, vllm_version, backend, ...) goes into the manifest and,
+    as a fingerprint, into every chunk: chunks written under different settings are discarded on
+    resume instead of being mixed in. It must therefore be deterministic (no timestamps).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        *,
+        layer_ids: list[int],
+        aux_layer_ids: list[int],
+        hidden_size: int,
+        meta: dict,
+        chunk_samples: int = 64,
+    ) -> None:
+        if chunk_samples < 1:
+            raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
+        if list(layer_ids[: len(aux_layer_ids)]) != list(aux_layer_ids):
+            raise ValueError(
+                f"layer_ids {layer_ids} must start with aux_layer_ids {aux_layer_ids} "
+                "(aux layers first, then the final pre-norm layer)"
+            )
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids]
+        self.hidden_size = int(hidden_size)
+        self.meta = dict(meta)
+        self.chunk_samples = int(chunk_samples)
+        self._identity = {
+            "format": CHUNK_FORMAT,
+            "layer_ids": self.layer_ids,
+            "hidden_size": self.hidden_size,
+            "chunk_samples": self.chunk_samples,
+            "meta": _canonical_json(self.meta),
+        }
+        # Per written chunk: its sample entries [(id, start, end)], in chunk order.
+        self._chunks: list[list[tuple[str, int, int]]] = []
+        self._seen: set[str] = set()
+        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._closed = False
+        self._recover()
+
+    # ------------------------------------------------------------------ resume
+    def _recover(self) -> None:
+        """Keep the longest run chunk-00000, chunk-00001, ... of complete, matching chunks."""
+        for stale in (INDEX_NAME, MANIFEST_NAME):
+            # A finished shard is rebuilt from its chunks; its old index/manifest must not
+            # outlive a changed chunk set.
+            (self.out_dir / stale).unlink(missing_ok=True)
+        for tmp in self.out_dir.glob(".*.tmp"):
+            tmp.unlink()
+        existing = sorted(p for p in self.out_dir.iterdir() if _CHUNK_RE.match(p.name))
+        keep = True
+        for expected_index, path in enumerate(existing):
+            entries = self._read_chunk_entries(path) if keep else None
+            if keep and path.name == chunk_name(expected_index) and entries is not None:
+                if len(entries) == self.chunk_samples:
+                    self._chunks.append(entries)
+                    self._seen.update(sample_id for sample_id, _, _ in entries)
+                    continue
+            # A gap, a short (last) chunk or a foreign chunk ends the kept prefix: its
+            # samples are captured again, which rewrites the same bytes.
+            keep = False
+            log.info("capture store %s: discarding %s on resume", self.out_dir, path.name)
+            path.unlink()
+        if self._chunks:
+            log.info(
+                "capture store %s: resuming after %d complete chunk(s), %d sample(s)",
+                self.out_dir,
+                len(self._chunks),
+                len(self._seen),
+            )
+
+    def _read_chunk_entries(self, path: Path) -> list[tuple[str, int, int]] | None:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                header = json.loads((handle.metadata() or {}).get("draftflow", "null"))
+        except Exception as error:  # a truncated or foreign file: recapture it
+            log.warning("capture store: unreadable chunk %s (%s)", path, error)
+            return None
+        if not isinstance(header, dict):
+            return None
+        identity = {key: header.get(key) for key in self._identity}
+        if identity != self._identity:
+            return None
+        return [(str(s), int(a), int(b)) for s, a, b in header["samples"]]
+
+    def done_ids(self) -> set[str]:
+        """Samples already in complete chunks: the caller skips them on resume."""
+        return {sample_id for chunk in self._chunks for sample_id, _, _ in chunk}
+
+    def resume_position(self, sample_ids: Iterable[str]) -> int:
+        """Check that the kept chunks are a prefix of ``sample_ids``; return its length.
+
+        A resumed job must see the same input order, or the deterministic chunk boundaries
+        would no longer hold.
+        """
+        done = [sample_id for chunk in self._chunks for sample_id, _, _ in chunk]
+        head = list(sample_ids)[: len(done)]
+        if head != done:
+            raise ValueError(
+                f"capture store {self.out_dir}: the complete chunks hold {len(done)} samples "
+                "that are not the start of this input (input order changed?); "
+                "delete the directory to start over"
+            )
+        return len(done)
+
+    # ------------------------------------------------------------------ writing
+    def add(
+        self,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden_states: torch.Tensor,
+    ) -> None:
+        """Buffer one sample (int32 [T], int8 [T], bf16 [T, L, H]); write a chunk when full."""
+        if self._closed:
+            raise RuntimeError("ShardWriter.add() after close()")
+        if sample_id in self._seen:
+            raise ValueError(f"sample {sample_id!r} is already in the store {self.out_dir}")
+        input_ids = torch.as_tensor(input_ids)
+        loss_mask = torch.as_tensor(loss_mask)
+        num_tokens = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+        expected = (num_tokens, len(self.layer_ids), self.hidden_size)
+        if num_tokens < 1 or tuple(loss_mask.shape) != (num_tokens,):
+            raise ValueError(
+                f"sample {sample_id!r}: input_ids {tuple(input_ids.shape)} and loss_mask "
+                f"{tuple(loss_mask.shape)} must be 1-D of the same non-zero length"
+            )
+        if tuple(hidden_states.shape) != expected:
+            raise ValueError(
+                f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)}, "
+                f"expected [T, L, H] = {list(expected)}"
+            )
+        self._seen.add(sample_id)
+        self._buffer.append(
+            (
+                sample_id,
+                input_ids.to(torch.int32).cpu(),
+                loss_mask.to(torch.int8).cpu(),
+                hidden_states.detach().to(STORE_DTYPE).cpu(),
+            )
+        )
+        if len(self._buffer) == self.chunk_samples:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        entries: list[tuple[str, int, int]] = []
+        row = 0
+        for sample_id, ids, _, _ in self._buffer:
+            entries.append((sample_id, row, row + int(ids.shape[0])))
+            row += int(ids.shape[0])
+        tensors = {
+            "hidden_states": torch.cat([b[3] for b in self._buffer]).contiguous(),
+            "input_ids": torch.cat([b[1] for b in self._buffer]).contiguous(),
+            "loss_mask": torch.cat([b[2] for b in self._buffer]).contiguous(),
+        }
+        header = {
+            **self._identity,
+            "chunk_index": len(self._chunks),
+            "samples": [list(entry) for entry in entries],
+        }
+        final = self.out_dir / chunk_name(len(self._chunks))
+        with atomic_path(final) as tmp:
+            # One metadata key only: safetensors writes a metadata map in hash order.
+            save_file(tensors, str(tmp), metadata={"draftflow": _canonical_json(header)})
+        self._chunks.append(entries)
+        self._buffer = []
+
+    def close(self) -> dict:
+        """Write the last (short) chunk, then index.json and manifest.json; return the manifest."""
+        if self._closed:
+            raise RuntimeError("ShardWriter.close() called twice")
+        self._flush()
+        self._closed = True
+        samples = []
+        num_tokens = 0
+        for index, entries in enumerate(self._chunks):
+            for sample_id, start, end in entries:
+                samples.append(
+                    {"id": sample_id, "chunk": chunk_name(index), "start": start, "end": end}
+                )
+                num_tokens += end - start
+        atomic_write_json(self.out_dir / INDEX_NAME, {"samples": samples})
+        files = [chunk_name(i) for i in range(len(self._chunks))] + [INDEX_NAME]
+        manifest = {
+            **self.meta,
+            "num_samples": len(samples),
+            "num_tokens": num_tokens,
+            "num_chunks": len(self._chunks),
+            "chunk_samples": self.chunk_samples,
+            "layer_ids": self.layer_ids,
+            "aux_layer_ids": self.aux_layer_ids,
+            "hidden_size": self.hidden_size,
+            "dtype": "bfloat16",
+            "files": {name: sha256_file(self.out_dir / name) for name in files},
+            "complete": True,
+        }
+        atomic_write_json(self.out_dir / MANIFEST_NAME, manifest)
+        return manifest
+
+
+def update_manifest(shard_dir: str | os.PathLike[str], fields: dict) -> dict:
+    """Add fields (e.g. verification results) to a finished shard's manifest; return it."""
+    path = Path(shard_dir) / MANIFEST_NAME
+    manifest = read_json(path)
+    reserved = {"files", "complete", "num_samples", "num_tokens", "layer_ids"} & set(fields)
+    if reserved:
+        raise ValueError(f"update_manifest may not change {sorted(reserved)}")
+    manifest.update(fields)
+    atomic_write_json(path, manifest)
+    return manifest
+
+
+class ShardReader:
+    """Random access to a finished shard; tensors are read through memory maps, slice by slice."""
+
+    def __init__(self, shard_dir: str | os.PathLike[str], verify: bool = True) -> None:
+        self.shard_dir = Path(shard_dir)
+        manifest_path = self.shard_dir / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise CorruptShardError(f"{manifest_path} is missing: the shard is incomplete")
+        self.manifest: dict = read_json(manifest_path)
+        if not self.manifest.get("complete"):
+            raise CorruptShardError(f"{manifest_path} does not say complete: true")
+        if verify:
+            self.verify()
+        index = read_json(self.shard_dir / INDEX_NAME)["samples"]
+        self._index: list[dict] = index
+        self.sample_ids: list[str] = [entry["id"] for entry in index]
+        self.num_tokens: list[int] = [entry["end"] - entry["start"] for entry in index]
+        self.layer_ids: list[int] = list(self.manifest["layer_ids"])
+        self._handles: dict[str, Any] = {}
+
+    def verify(self) -> None:
+        """Raise CorruptShardError naming the first file whose sha256 differs from the manifest."""
+        for name, expected in sorted(self.manifest["files"].items()):
+            path = self.shard_dir / name
+            if not path.is_file():
+                raise CorruptShardError(f"{path} is listed in the manifest but missing")
+            actual = sha256_file(path)
+            if actual != expected:
+                raise CorruptShardError(
+                    f"{path} is corrupt: sha256 {actual} != {expected} in {MANIFEST_NAME}"
+                )
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def _handle(self, name: str) -> Any:
+        # Handles are opened lazily (and dropped on pickling) so DataLoader workers open their own.
+        if name not in self._handles:
+            self._handles[name] = safe_open(self.shard_dir / name, framework="pt")
+        return self._handles[name]
+
+    def get(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i: ``input_ids`` int32 [T], ``loss_mask`` int8 [T], ``hidden_states`` bf16 [T, L, H]."""
+        entry = self._index[i]
+        handle = self._handle(entry["chunk"])
+        rows = slice(entry["start"], entry["end"])
+        return {
+            name: handle.get_slice(name)[rows]
+            for name in ("input_ids", "loss_mask", "hidden_states")
+        }
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,385 @@
+"""Regenerate: re-answer every assistant turn with the target itself (vLLM).
+
+A draft learns to predict the target, so it should be trained on the target's own answers,
+not on the answers of whatever model wrote the corpus. Turn k is answered conditioned on the
+*regenerated* history: the user turns of the original, each followed by the target's own earlier
+answers. Conversations are batched turn by turn (all first turns of a batch in one engine call,
+then all second turns, ...).
+
+Crash safety: each finished batch is appended to a progress file (JSONL, flushed and fsynced);
+a restart with the same inputs and settings skips every conversation already there. The
+progress file starts with a fingerprint of input, model and settings; a different fingerprint
+means a stale file, which is discarded.
+
+Outcomes per conversation:
+- ``regenerated``: every planned assistant turn answered;
+- ``shortened``: a later turn's prompt no longer fits the context, or the target's answer was
+  empty; the conversation ends after the last good answer (kept);
+- ``prompt_too_long`` / ``empty_answer``: the same for the first turn (dropped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from draftflow.corpus.formats import Conversation, Message
+from draftflow.io import atomic_path, atomic_write_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+REGENERATED = "regenerated"
+SHORTENED = "shortened"
+PROMPT_TOO_LONG = "prompt_too_long"
+EMPTY_ANSWER = "empty_answer"
+KEPT_OUTCOMES = (REGENERATED, SHORTENED)
+OUTCOMES = (REGENERATED, SHORTENED, PROMPT_TOO_LONG, EMPTY_ANSWER)
+PROGRESS_FORMAT = "draftflow-regenerate-progress/1"
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    max_turns: int | None = None
+    batch_size: int = 64
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, section: dict[str, Any]) -> RegenerateSettings:
+        names = {name for name in cls.__dataclass_fields__}
+        return cls(**{key: value for key, value in section.items() if key in names})
+
+
+# ------------------------------------------------------------------ engine
+def make_engine(
+    model_dir: str | os.PathLike[str],
+    *,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> Any:
+    """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=True,  # no graph capture: faster start, same outputs
+        trust_remote_code=trust_remote_code,
+        seed=seed,
+    )
+
+
+def engine_max_model_len(llm: Any) -> int:
+    return int(llm.llm_engine.model_config.max_model_len)
+
+
+# ------------------------------------------------------------------ planning
+def planned_messages(messages: Sequence[Message], max_turns: int | None) -> list[Message]:
+    """The original up to its last assistant turn to regenerate (at most ``max_turns`` of them).
+
+    User turns after the last regenerated answer are dropped: nothing would answer them.
+    """
+    planned: list[Message] = []
+    answered = 0
+    last_answer_end = 0
+    for message in messages:
+        if max_turns is not None and answered >= max_turns:
+            break
+        planned.append({"role": message["role"], "content": message["content"]})
+        if message["role"] == "assistant":
+            answered += 1
+            last_answer_end = len(planned)
+    return planned[:last_answer_end]
+
+
+def request_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """Per-request sampling seed: the same answer whether or not the run was resumed."""
+    digest = hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass
+class _Dialogue:
+    """One conversation being regenerated: the original plan and the history written so far."""
+
+    conversation: Conversation
+    plan: list[Message]
+    history: list[Message] = field(default_factory=list)  # regenerated messages so far
+    cursor: int = 0  # index into plan of the first message not yet in history
+    answer_at: int = -1  # index into plan of the assistant turn being answered now
+    answers: int = 0
+    outcome: str | None = None
+    generated_tokens: int = 0
+
+    def next_prompt(self) -> list[Message] | None:
+        """History plus the original turns up to the next assistant turn; None when done."""
+        if self.outcome is not None:
+            return None
+        for index in range(self.cursor, len(self.plan)):
+            if self.plan[index]["role"] == "assistant":
+                self.answer_at = index
+                return [*self.history, *self.plan[self.cursor : index]]
+        self.outcome = REGENERATED
+        return None
+
+    def accept(self, prompt: list[Message], answer: str) -> None:
+        self.history = [*prompt, {"role": "assistant", "content": answer}]
+        self.cursor = self.answer_at + 1
+        self.answers += 1
+
+    def stop(self, reason_first_turn: str) -> None:
+        """No further answer: drop the conversation if it has none yet, else keep what exists."""
+        self.outcome = reason_first_turn if self.answers == 0 else SHORTENED
+
+    def result(self) -> dict[str, Any]:
+        kept = self.outcome in KEPT_OUTCOMES
+        return {
+            "id": self.conversation["id"],
+            "outcome": self.outcome,
+            "answers": self.answers,
+            "generated_tokens": self.generated_tokens,
+            "conversation": (
+                {
+                    "id": self.conversation["id"],
+                    "source": self.conversation["source"],
+                    "messages": self.history,
+                }
+                if kept
+                else None
+            ),
+        }
+
+
+def regenerate_batch(
+    conversations: Sequence[Conversation],
+    llm: Any,
+    settings: RegenerateSettings,
+    max_model_len: int,
+) -> list[dict[str, Any]]:
+    """Regenerate one batch turn by turn; return one progress entry per conversation."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = llm.get_tokenizer()
+    dialogues = [
+        _Dialogue(conversation, planned_messages(conversation["messages"], settings.max_turns))
+        for conversation in conversations
+    ]
+    while True:
+        requests: list[tuple[_Dialogue, list[Message], list[int]]] = []
+        for dialogue in dialogues:
+            prompt = dialogue.next_prompt()
+            if prompt is None:
+                continue
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(token_ids) >= max_model_len:  # not even one token of answer would fit
+                dialogue.stop(PROMPT_TOO_LONG)
+                continue
+            requests.append((dialogue, prompt, token_ids))
+        if not requests:
+            break
+        sampling = [
+            SamplingParams(
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                max_tokens=min(settings.max_tokens, max_model_len - len(token_ids)),
+                seed=request_seed(settings.seed, dialogue.conversation["id"], dialogue.answers),
+            )
+            for dialogue, _, token_ids in requests
+        ]
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=token_ids) for _, _, token_ids in requests],
+            sampling_params=sampling,
+            use_tqdm=False,
+        )
+        for (dialogue, prompt, _), output in zip(requests, outputs, strict=True):
+            completion = output.outputs[0]
+            dialogue.generated_tokens += len(completion.token_ids)
+            if not completion.text.strip():
+                dialogue.stop(EMPTY_ANSWER)
+                continue
+            dialogue.accept(prompt, completion.text)
+    return [dialogue.result() for dialogue in dialogues]
+
+
+# ------------------------------------------------------------------ resume
+def fingerprint(
+    input_path: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    settings: RegenerateSettings,
+    max_model_len: int,
+) -> str:
+    """What a progress file's entries depend on: input, model, settings and context length."""
+    model_dir = Path(model_dir)
+    model_files = {
+        name: sha256_file(model_dir / name)
+        for name in ("config.json", "draftflow_target.json", "tokenizer_config.json")
+        if (model_dir / name).exists()
+    }
+    identity = {
+        "input": sha256_file(input_path),
+        "model": model_files,
+        "settings": asdict(settings),
+        "max_model_len": max_model_len,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def load_progress(path: str | os.PathLike[str], expected_fingerprint: str) -> dict[str, dict]:
+    """Entries of a previous run with the same fingerprint, by conversation id.
+
+    A torn last line (crash in mid-write) is ignored and cut off; a file from other inputs or
+    settings is removed.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}
+    entries: dict[str, dict] = {}
+    good_bytes = 0
+    with open(path, "rb") as handle:
+        header_line = handle.readline()
+        try:
+            header = json.loads(header_line)
+        except json.JSONDecodeError:
+            header = None
+        if not isinstance(header, dict) or header.get("fingerprint") != expected_fingerprint:
+            log.warning("regenerate: %s was written for other inputs or settings; starting over", path)
+            path.unlink()
+            return {}
+        good_bytes = len(header_line)
+        for line in handle:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not line.endswith(b"\n"):
+                break
+            entries[entry["id"]] = entry
+            good_bytes += len(line)
+    if good_bytes < path.stat().st_size:
+        log.warning("regenerate: cutting a torn last line off %s", path)
+        os.truncate(path, good_bytes)
+    return entries
+
+
+def _append_entries(handle: Any, entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        handle.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())  # the batch survives a crash (or a killed job) from here on
+
+
+def _batches(items: Sequence[Conversation], size: int) -> Iterator[Sequence[Conversation]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+# ------------------------------------------------------------------ stage
+def read_conversations(path: str | os.PathLike[str]) -> list[Conversation]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def regenerate(
+    conversations: Sequence[Conversation],
+    llm: Any,
+    settings: RegenerateSettings,
+    *,
+    output: str | os.PathLike[str],
+    summary: str | os.PathLike[str],
+    progress: str | os.PathLike[str],
+    run_fingerprint: str,
+    max_model_len: int | None = None,
+    after_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Regenerate every conversation, resuming from ``progress``; write output and summary.
+
+    ``after_batch(n)`` is called after the n-th batch of this run is durable (tests use it to
+    stop a run the way a crash would).
+    """
+    if settings.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
+    ids = [conversation["id"] for conversation in conversations]
+    if len(set(ids)) != len(ids):
+        raise ValueError("conversation ids must be unique (run ingest first)")
+    max_model_len = max_model_len or engine_max_model_len(llm)
+    progress = Path(progress)
+    progress.parent.mkdir(parents=True, exist_ok=True)
+
+    done = load_progress(progress, run_fingerprint)
+    wanted = set(ids)
+    resumed = sum(1 for conversation_id in done if conversation_id in wanted)
+    todo = [conversation for conversation in conversations if conversation["id"] not in done]
+    log.info(
+        "regenerate: %d conversations, %d already done (resumed), %d to do, batch %d",
+        len(conversations),
+        resumed,
+        len(todo),
+        settings.batch_size,
+    )
+
+    with open(progress, "a", encoding="utf-8") as handle:
+        if handle.tell() == 0:
+            header = {"format": PROGRESS_FORMAT, "fingerprint": run_fingerprint}
+            _append_entries(handle, [header])
+        with tqdm(total=len(todo), desc="regenerate", unit="conv", mininterval=5) as bar:
+            for number, batch in enumerate(_batches(todo, settings.batch_size), start=1):
+                entries = regenerate_batch(batch, llm, settings, max_model_len)
+                _append_entries(handle, entries)
+                done.update((entry["id"], entry) for entry in entries)
+                bar.update(len(batch))
+                if after_batch is not None:
+                    after_batch(number)
+
+    result = _write_outputs(conversations, done, output, settings, max_model_len)
+    result["resumed"] = resumed
+    atomic_write_json(summary, result)
+    progress.unlink()  # the output now holds everything; a rerun starts fresh
+    return result
+
+
+def _write_outputs(
+    conversations: Sequence[Conversation],
+    done: dict[str, dict],
+    output: str | os.PathLike[str],
+    settings: RegenerateSettings,
+    max_model_len: int,
+) -> dict[str, Any]:
+    outcomes: Counter[str] = Counter()
+    answers = generated_tokens = 0
+    with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for conversation in conversations:  # input order: ingest's sorted order
+            entry = done[conversation["id"]]
+            outcomes[entry["outcome"]] += 1
+            answers += entry["answers"]
+            generated_tokens += entry["generated_tokens"]
+            if entry["outcome"] in KEPT_OUTCOMES:
+                handle.write(json.dumps(entry["conversation"], ensure_ascii=False) + "\n")
+    kept = sum(outcomes[outcome] for outcome in KEPT_OUTCOMES)
+    result = {
+        "conversations_in": len(conversations),
+        "kept": kept,
+        "dropped": {PROMPT_TOO_LONG: outcomes[PROMPT_TOO_LONG], EMPTY_ANSWER: outcomes[EMPTY_ANSWER]},
+        "outcomes": {outcome: outcomes[outcome] for outcome in OUTCOMES},
+        "answers_generated": answers,
+        "generated_tokens": generated_tokens,
+        "max_model_len": max_model_len,
+        "settings": asdict(settings),
+    }
+    log.info("regenerate: kept %d of %d; outcomes %s", kept, len(conversations), dict(outcomes))
+    return result

@@ -1,0 +1,206 @@
+"""Conversations JSONL -> token samples with loss masks, train token frequencies, a summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jinja2
+import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from draftflow.data.masks import ChatTemplateError, ChatTemplateMasker, Message
+from draftflow.data.samples import samples_table, sample_writer
+from draftflow.data.split import assign_split
+from draftflow.io import atomic_path, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+LONG_SAMPLE_POLICIES = ("truncate", "drop")
+ROW_GROUP_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    max_length: int = 2048
+    long_samples: str = "truncate"
+    max_turns: int | None = None
+    split_seed: int = 0
+    val_fraction: float = 0.05
+    test_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.long_samples not in LONG_SAMPLE_POLICIES:
+            raise ValueError(
+                f"tokenize.long_samples = {self.long_samples!r}: allowed {list(LONG_SAMPLE_POLICIES)}"
+            )
+        if self.max_length < 1:
+            raise ValueError(f"tokenize.max_length = {self.max_length!r}: must be positive")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"tokenize.max_turns = {self.max_turns!r}: must be >= 1 or null")
+
+
+def load_target_tokenizer(target_dir: str | os.PathLike[str], trust_remote_code: bool):
+    """The target's own tokenizer and chat template, from the local checkpoint only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(target_dir), trust_remote_code=trust_remote_code, local_files_only=True
+    )
+
+
+def target_vocab_size(target_dir: str | os.PathLike[str], tokenizer) -> int:
+    """The larger of len(tokenizer) and the model's embedding rows (models often pad the latter)."""
+    sizes = [len(tokenizer)]
+    config_path = Path(target_dir) / "config.json"
+    if config_path.exists():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        for section in (config, config.get("text_config") or {}):
+            if isinstance(section.get("vocab_size"), int):
+                sizes.append(section["vocab_size"])
+    return max(sizes)
+
+
+def limit_turns(messages: Sequence[Message], max_turns: int | None) -> list[Message]:
+    """Keep messages up to the ``max_turns``-th assistant reply; drop any unanswered tail.
+
+    A trailing user message without a reply costs tokens and teaches the draft nothing.
+    """
+    kept: list[Message] = []
+    answered = 0
+    last_assistant = -1
+    for message in messages:
+        kept.append(message)
+        if message["role"] == "assistant":
+            answered += 1
+            last_assistant = len(kept) - 1
+            if max_turns is not None and answered >= max_turns:
+                break
+    return kept[: last_assistant + 1]
+
+
+def read_conversations(path: str | os.PathLike[str]) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "id" not in record or "messages" not in record:
+                raise ValueError(f"{path}:{line_number}: record lacks 'id' or 'messages'")
+            yield record
+
+
+def _count_lines(path: str | os.PathLike[str]) -> int:
+    with open(path, "rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def tokenize_corpus(
+    corpus_path: str | os.PathLike[str],
+    target_dir: str | os.PathLike[str],
+    samples_path: str | os.PathLike[str],
+    token_freq_path: str | os.PathLike[str],
+    summary_path: str | os.PathLike[str],
+    settings: TokenizeSettings,
+    trust_remote_code: bool = False,
+) -> dict:
+    """Tokenize every conversation; write samples, train token counts and a summary."""
+    tokenizer = load_target_tokenizer(target_dir, trust_remote_code)
+    masker = ChatTemplateMasker(tokenizer)
+    vocab_size = target_vocab_size(target_dir, tokenizer)
+    token_freq = np.zeros(vocab_size, dtype=np.int64)
+    counts: Counter[str] = Counter()
+    pending: tuple[list, list, list] = ([], [], [])
+
+    def flush(writer) -> None:
+        if pending[0]:
+            writer.write_table(samples_table(*pending), row_group_size=ROW_GROUP_SIZE)
+            for column in pending:
+                column.clear()
+
+    total = _count_lines(corpus_path)
+    with sample_writer(samples_path) as writer:
+        for record in tqdm(
+            read_conversations(corpus_path), total=total, desc="tokenize", mininterval=5
+        ):
+            counts["conversations"] += 1
+            messages = limit_turns(record["messages"], settings.max_turns)
+            if not any(m["role"] == "assistant" for m in messages):
+                counts["skipped_no_assistant"] += 1
+                continue
+            try:
+                encoded = masker.encode(messages)
+            except (ChatTemplateError, jinja2.TemplateError) as error:
+                # Templates may refuse a role order (e.g. two user turns); count, don't crash.
+                counts["skipped_template_error"] += 1
+                log.warning("skipping %s: %s", record["id"], error)
+                continue
+            input_ids, loss_mask = encoded.input_ids, encoded.loss_mask
+            if len(input_ids) > settings.max_length:
+                if settings.long_samples == "drop":
+                    counts["dropped_long"] += 1
+                    continue
+                counts["truncated"] += 1
+                input_ids = input_ids[: settings.max_length]
+                loss_mask = loss_mask[: settings.max_length]
+            if not any(loss_mask):
+                counts["skipped_no_masked_tokens"] += 1
+                continue
+            counts["samples"] += 1
+            counts["tokens"] += len(input_ids)
+            counts["masked_tokens"] += sum(loss_mask)
+            split = assign_split(
+                record["id"], settings.split_seed, settings.val_fraction, settings.test_fraction
+            )
+            if split == "train":
+                masked_ids = np.asarray(input_ids, dtype=np.int64)[np.asarray(loss_mask, bool)]
+                if masked_ids.max() >= vocab_size:
+                    raise ValueError(
+                        f"{record['id']}: token id {int(masked_ids.max())} is outside the "
+                        f"target vocabulary of {vocab_size}"
+                    )
+                token_freq += np.bincount(masked_ids, minlength=vocab_size)
+            pending[0].append(record["id"])
+            pending[1].append(input_ids)
+            pending[2].append(loss_mask)
+            if len(pending[0]) >= ROW_GROUP_SIZE:
+                flush(writer)
+        flush(writer)
+
+    if counts["samples"] == 0:
+        raise ValueError(
+            f"{corpus_path}: no conversation produced a sample with assistant tokens "
+            f"({dict(counts)}); check the corpus and tokenize settings"
+        )
+    with atomic_path(token_freq_path) as tmp:
+        save_file({"token_freq": token_freq}, str(tmp))
+
+    summary = {
+        "settings": asdict(settings),
+        "target": str(target_dir),
+        "vocab_size": vocab_size,
+        "train_masked_tokens": int(token_freq.sum()),
+        **{
+            key: counts[key]
+            for key in (
+                "conversations",
+                "samples",
+                "tokens",
+                "masked_tokens",
+                "truncated",
+                "dropped_long",
+                "skipped_no_assistant",
+                "skipped_no_masked_tokens",
+                "skipped_template_error",
+            )
+        },
+    }
+    atomic_write_json(summary_path, summary)
+    log.info("tokenize summary: %s", summary)
+    return summary

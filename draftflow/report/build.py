@@ -1,0 +1,181 @@
+"""The report stage: ``summary.csv``, ``summary.md`` and the figures, from files on disk.
+
+Inputs are the bench CSVs, the trainer's ``metrics.jsonl``, the exported draft and the target
+checkpoint directories, and the capture stores' manifests (for the training data size). Any
+of the descriptive inputs may lack fields; the summary then says "unknown" instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from draftflow.io import atomic_path, atomic_write_text
+from draftflow.report import plots
+from draftflow.report.summary import best_k, read_bench_tables, summarise, where_the_time_goes
+from draftflow.report.train_log import final_accuracy, last_step, read_train_log
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where the report stage writes (the rule's outputs)."""
+
+    summary: str | Path
+    markdown: str | Path
+    acceptance_length: str | Path
+    acceptance_per_pos: str | Path
+    speedup: str | Path
+    train_loss: str | Path
+    train_accuracy: str | Path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def describe_target(target_dir: str | Path) -> str:
+    target_dir = Path(target_dir)
+    config = _read_json(target_dir / "config.json")
+    info = _read_json(target_dir / "draftflow_target.json")
+    origin = info.get("origin") or info.get("source")
+    arch = ", ".join(config.get("architectures", [])) or "unknown architecture"
+    shape = (
+        f"{config.get('num_hidden_layers', '?')} layers, hidden {config.get('hidden_size', '?')}, "
+        f"vocab {config.get('vocab_size', '?')}"
+    )
+    return f"{arch} ({shape})" + (f", from `{origin}`" if origin else "")
+
+
+def describe_draft(draft_dir: str | Path) -> str:
+    config = _read_json(Path(draft_dir) / "config.json")
+    if not config:
+        return "unknown (no config.json)"
+    layer = config.get("transformer_layer_config", {})
+    return (
+        f"{config.get('speculators_model_type', 'unknown type')}, "
+        f"{layer.get('num_hidden_layers', '?')} layer(s), "
+        f"draft vocab {config.get('draft_vocab_size', '?')}, "
+        f"aux layers {config.get('eagle_aux_hidden_state_layer_ids', '?')}"
+    )
+
+
+def data_size(extract_dirs: Iterable[str | Path]) -> dict[str, dict[str, int]]:
+    """Samples and tokens per split, summed over the capture stores' manifests."""
+    sizes: dict[str, dict[str, int]] = {}
+    for directory in extract_dirs:
+        directory = Path(directory)
+        manifest = _read_json(directory / "manifest.json")
+        split = directory.parent.name
+        entry = sizes.setdefault(split, {"samples": 0, "tokens": 0})
+        entry["samples"] += int(manifest.get("num_samples", 0))
+        entry["tokens"] += int(manifest.get("num_tokens", 0))
+    return sizes
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_markdown(
+    summary: pd.DataFrame,
+    train_log: pd.DataFrame,
+    target: str,
+    draft: str,
+    sizes: dict[str, dict[str, int]],
+) -> str:
+    lines = ["# draftflow summary", "", f"- Target: {target}", f"- Draft: {draft}"]
+    if sizes:
+        parts = [f"{split} {v['samples']} samples / {v['tokens']} tokens" for split, v in sizes.items()]
+        lines.append("- Training data: " + ", ".join(parts))
+    else:
+        lines.append("- Training data: unknown")
+    steps = last_step(train_log)
+    lines.append(f"- Training steps: {steps if steps is not None else 'unknown'}")
+    phase, accuracy = final_accuracy(train_log)
+    if accuracy:
+        label = "Validation" if phase == "eval" else "Training (no eval records)"
+        values = ", ".join(f"pos {p + 1}: {v:.3f}" for p, v in sorted(accuracy.items()))
+        lines.append(f"- {label} accuracy per draft position (last step): {values}")
+    else:
+        lines.append("- Validation accuracy per draft position: unknown")
+
+    lines += ["", "## Best k per prompt set", ""]
+    best = best_k(summary)
+    if best.empty:
+        lines.append("No speculative run to compare.")
+    else:
+        lines += [
+            "| prompt set | temperature | best k | acceptance length τ | speed-up | outputs identical |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in best.itertuples():
+            lines.append(
+                f"| {row.dataset} | {row.temperature:g} | {row.k} | {_fmt(row.acceptance_length)} "
+                f"| {_fmt(row.speedup)} | {_fmt(row.outputs_identical)} |"
+            )
+
+    lines += ["", "## All configurations", ""]
+    columns = ["dataset", "k", "acceptance_length", "acceptance_rate", "tokens_per_s", "tpot_ms",
+               "speedup", "outputs_identical", "num_requests_differ"]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in summary[columns].itertuples(index=False):
+        lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
+
+    differing = summary[summary["num_requests_differ"] > 0]
+    if not differing.empty:
+        lines += ["", "**Outputs differ from the plain target (greedy):** "
+                  + ", ".join(f"{r.dataset} k={r.k}: {r.num_requests_differ} request(s)"
+                              for r in differing.itertuples())
+                  + ". See the bench CSV's `first_difference` column."]
+
+    lines += ["", "## Where the time goes", ""]
+    explained = where_the_time_goes(summary)
+    lines += [
+        "Cost of a speculative step in plain steps = (plain tokens/s ÷ speculative tokens/s) × τ; "
+        "a draft pays off only where τ exceeds that cost.",
+        "",
+        *(explained or ["No speculative run measured."]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def build_report(
+    bench_csvs: Iterable[str | Path],
+    train_metrics: str | Path,
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    extract_dirs: Iterable[str | Path],
+    out: ReportPaths,
+) -> pd.DataFrame:
+    """Write every report output; return the summary table."""
+    summary = summarise(read_bench_tables(bench_csvs))
+    train_log = read_train_log(train_metrics)
+    with atomic_path(out.summary) as tmp:
+        summary.to_csv(tmp, index=False)
+    markdown = render_markdown(
+        summary,
+        train_log,
+        describe_target(target_dir),
+        describe_draft(draft_dir),
+        data_size(extract_dirs),
+    )
+    atomic_write_text(out.markdown, markdown)
+    plots.plot_acceptance_length(summary, out.acceptance_length)
+    plots.plot_acceptance_per_position(summary, out.acceptance_per_pos)
+    plots.plot_speedup(summary, out.speedup)
+    plots.plot_training(train_log, out.train_loss, out.train_accuracy)
+    return summary

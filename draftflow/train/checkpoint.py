@@ -1,0 +1,159 @@
+"""Resumable training checkpoints without pickle: safetensors for tensors, JSON for the rest.
+
+``checkpoints/step-NNNNNNNN/`` holds
+- ``model.safetensors``: the trainable weights (fp32, exact);
+- ``optimizer.safetensors``: every tensor of every optimizer's state, keyed
+  ``opt{i}/{param index}/{name}``, plus the RNG states (``rng/...``);
+- ``state.json``: step, the settings fingerprint, and the optimizers' non-tensor state
+  (param groups, scalar state) — enough to rebuild ``optimizer.state_dict()`` exactly.
+
+A checkpoint is written to a hidden temporary directory and renamed into place, then
+``latest.json`` is replaced atomically: a kill at any moment leaves the previous checkpoint valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftflow.io import atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def flatten_optimizer(index: int, state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split ``optimizer.state_dict()`` into tensors and a JSON-able remainder."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for param_id, entries in state_dict["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"opt{index}/{param_id}/{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(param_id), {})[name] = value
+    groups = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
+        for group in state_dict["param_groups"]
+    ]
+    return tensors, {"param_groups": groups, "scalar_state": scalars}
+
+
+def unflatten_optimizer(index: int, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """Inverse of :func:`flatten_optimizer` (``load_state_dict`` moves state to each param)."""
+    state: dict[int, dict[str, Any]] = {}
+    prefix = f"opt{index}/"
+    for key, value in tensors.items():
+        if key.startswith(prefix):
+            _, param_id, name = key.split("/", 2)
+            state.setdefault(int(param_id), {})[name] = value
+    for param_id, entries in meta["scalar_state"].items():
+        state.setdefault(int(param_id), {}).update(entries)
+    groups = []
+    for group in meta["param_groups"]:
+        group = dict(group)
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    states = {"rng/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"rng/cuda{i}"] = state
+    return states
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng/cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng/cuda")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizers: list[torch.optim.Optimizer],
+    state: dict,
+    keep: int,
+) -> Path:
+    """Write checkpoint ``step`` atomically and keep the newest ``keep`` of them."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in model_state.items()},
+            str(tmp / "model.safetensors"),
+        )
+        opt_tensors = rng_tensors()
+        opt_meta = []
+        for index, optimizer in enumerate(optimizers):
+            tensors, meta = flatten_optimizer(index, optimizer.state_dict())
+            opt_tensors.update(tensors)
+            opt_meta.append(meta)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        atomic_write_json(tmp / "state.json", {**state, "step": step, "optimizers": opt_meta})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    atomic_write_json(root / LATEST, {"step": step, "dir": final.name})
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / read_json(pointer)["dir"]
+    return path if (path / "state.json").is_file() else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+) -> dict:
+    """Restore weights, optimizer state and RNG; return state.json."""
+    path = Path(path)
+    state = read_json(path / "state.json")
+    weights = load_file(str(path / "model.safetensors"))
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    if set(weights) != trainable:
+        raise ValueError(
+            f"checkpoint {path} holds weights {sorted(set(weights) ^ trainable)} that do not "
+            "match the model's trainable ones"
+        )
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    for index, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(
+            unflatten_optimizer(index, tensors, state["optimizers"][index])
+        )
+    restore_rng(tensors)
+    return state

@@ -1,0 +1,206 @@
+"""Packed training batches streamed from capture-store shards.
+
+Nothing is loaded up front: the shard indexes give every sample's length, batches are planned
+from lengths alone, and a batch reads only its samples' rows through the shards' memory maps.
+Each shard's sha256s are checked (``ShardReader.verify``) the first time one of its samples is
+read. The plan is a pure function of (seed, epoch), so step n always sees the same batch: a
+resumed run just starts at its step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from draftflow.capture.store import ShardReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: int
+    index: int
+    num_tokens: int
+
+
+class ShardSet:
+    """All samples of a list of shard directories, with their layer layout checked."""
+
+    def __init__(self, shard_dirs: list[str | os.PathLike[str]]) -> None:
+        if not shard_dirs:
+            raise ValueError("no capture shards given")
+        self.readers = [ShardReader(d, verify=False) for d in shard_dirs]
+        self._verified: set[int] = set()
+        first = self.readers[0].manifest
+        for reader in self.readers[1:]:
+            for key in ("layer_ids", "aux_layer_ids", "hidden_size"):
+                if reader.manifest[key] != first[key]:
+                    raise ValueError(
+                        f"shard {reader.shard_dir} has {key}={reader.manifest[key]}, "
+                        f"but {self.readers[0].shard_dir} has {first[key]}"
+                    )
+        self.layer_ids: list[int] = list(first["layer_ids"])
+        self.aux_layer_ids: list[int] = list(first["aux_layer_ids"])
+        self.hidden_size = int(first["hidden_size"])
+        final = [i for i in self.layer_ids if i not in self.aux_layer_ids]
+        if len(final) != 1 or self.layer_ids[-1] != final[0]:
+            raise ValueError(
+                f"layer_ids {self.layer_ids} must be the aux ids {self.aux_layer_ids} then the "
+                "final pre-norm layer id"
+            )
+        # Positions of the aux layers and of the final pre-norm state in hidden_states' L axis.
+        self.aux_positions = [self.layer_ids.index(i) for i in self.aux_layer_ids]
+        self.final_position = len(self.layer_ids) - 1
+        # A sample needs two tokens: the first has no previous hidden state after the shift.
+        self.samples = [
+            SampleRef(s, i, n)
+            for s, reader in enumerate(self.readers)
+            for i, n in enumerate(reader.num_tokens)
+            if n >= 2
+        ]
+        if not self.samples:
+            raise ValueError(f"shards {[str(d) for d in shard_dirs]} hold no sample of >= 2 tokens")
+
+    @property
+    def manifest(self) -> dict:
+        return self.readers[0].manifest
+
+    def read(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        if ref.shard not in self._verified:
+            self.readers[ref.shard].verify()
+            self._verified.add(ref.shard)
+        return self.readers[ref.shard].get(ref.index)
+
+
+def pack(samples: list[SampleRef], order: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Greedy packing in ``order``: a batch takes samples while their shifted lengths fit.
+
+    A sample longer than a whole batch gets a batch of its own and is cut to fit.
+    """
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index in order:
+        length = samples[index].num_tokens - 1
+        if current and used + length > tokens_per_batch:
+            batches.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        batches.append(current)
+    return batches
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+class TrainPlan:
+    """Which packed batches each step uses, over all epochs, for one data-parallel rank.
+
+    Every step consumes ``world_size`` batches (one per rank); an epoch's leftover batches
+    (fewer than ``world_size``) are skipped so ranks stay in lock step.
+    """
+
+    def __init__(
+        self,
+        shards: ShardSet,
+        tokens_per_batch: int,
+        epochs: int,
+        seed: int,
+        world_size: int = 1,
+        max_steps: int | None = None,
+    ) -> None:
+        self.shards = shards
+        self.tokens_per_batch = tokens_per_batch
+        self.seed = seed
+        self.world_size = world_size
+        self._epochs: list[list[list[int]]] = []
+        for epoch in range(epochs):
+            order = epoch_order(len(shards.samples), seed, epoch)
+            self._epochs.append(pack(shards.samples, order, tokens_per_batch))
+        self.steps_per_epoch = [len(b) // world_size for b in self._epochs]
+        if not any(self.steps_per_epoch):
+            raise ValueError(
+                f"{len(shards.samples)} train samples make fewer packed batches than the "
+                f"{world_size} data-parallel ranks"
+            )
+        planned = sum(self.steps_per_epoch)
+        self.total_steps = planned if max_steps is None else max_steps
+        # max_steps beyond the planned epochs keeps cycling through further epochs.
+        extra = epochs
+        while sum(self.steps_per_epoch) < self.total_steps:
+            order = epoch_order(len(shards.samples), seed, extra)
+            self._epochs.append(pack(shards.samples, order, tokens_per_batch))
+            self.steps_per_epoch.append(len(self._epochs[-1]) // world_size)
+            extra += 1
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of a global step."""
+        for epoch, count in enumerate(self.steps_per_epoch):
+            if step < count:
+                return epoch, step
+            step -= count
+        raise IndexError(f"step beyond the plan of {self.total_steps} steps")
+
+    def batch(self, step: int, rank: int = 0) -> list[SampleRef]:
+        epoch, within = self.position(step)
+        indices = self._epochs[epoch][within * self.world_size + rank]
+        return [self.shards.samples[i] for i in indices]
+
+
+def val_batches(
+    shards: ShardSet, tokens_per_batch: int, rank: int = 0, world_size: int = 1
+) -> list[list[SampleRef]]:
+    """Validation batches in file order; rank r takes batches r, r + W, ..."""
+    packed = pack(shards.samples, list(range(len(shards.samples))), tokens_per_batch)
+    return [[shards.samples[i] for i in b] for b in packed[rank::world_size]]
+
+
+def collate(
+    shards: ShardSet,
+    refs: list[SampleRef],
+    tokens_per_batch: int,
+    hidden_dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """One packed sequence ``[1, T, ...]`` in the layout ``Eagle3DraftModel.forward`` expects.
+
+    Per sample, speculators' ``shift_batch`` pairs token t+1 with the hidden states of token t
+    and the target's final state at t+1 (whose next-token distribution is the training target).
+    """
+    from speculators.models.eagle3 import shift_batch
+
+    parts: list[dict[str, torch.Tensor]] = []
+    used = 0
+    for ref in refs:
+        raw = shards.read(ref)
+        states = raw["hidden_states"]
+        length = int(states.shape[0])
+        sample = {
+            "input_ids": raw["input_ids"].to(torch.long),
+            "hidden_states": states[:, shards.aux_positions].flatten(1),
+            "verifier_last_hidden_states": states[:, shards.final_position],
+            "loss_mask": raw["loss_mask"].to(torch.bool),
+            "lengths": torch.tensor([length], dtype=torch.long),
+            "position_ids": torch.arange(length, dtype=torch.long),
+        }
+        sample = shift_batch(sample)
+        keep = min(int(sample["lengths"][0]), tokens_per_batch - used)
+        if keep <= 0:
+            break
+        parts.append({k: v[:keep] for k, v in sample.items() if k != "lengths"})
+        used += keep
+    document_ids = torch.cat(
+        [torch.full((p["input_ids"].shape[0],), d, dtype=torch.long) for d, p in enumerate(parts)]
+    )
+    batch = {key: torch.cat([p[key] for p in parts]).unsqueeze(0) for key in parts[0]}
+    batch["hidden_states"] = batch["hidden_states"].to(hidden_dtype)
+    batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(hidden_dtype)
+    batch["document_ids"] = document_ids.unsqueeze(0)
+    return batch

@@ -1,0 +1,353 @@
+"""The training loop: speculators' EAGLE-3 model and losses, our data, checkpoints and logging.
+
+Read top to bottom: setup (devices, data, model, optimizer, resume), then one loop of
+step -> log -> evaluate -> checkpoint, then export. docs/training.md says why this is our own
+small loop rather than speculators' ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from draftflow.io import read_json
+from draftflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from draftflow.train.data import ShardSet, TrainPlan, collate, val_batches
+from draftflow.train.export import export_draft
+from draftflow.train.metrics import MetricsLog, StepMetrics, summarize
+from draftflow.train.model import build_draft_model, resolve_attn_impl, trainable_state
+from draftflow.train.settings import TrainSettings
+from draftflow.train.vocab import read_vocab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainJob:
+    """Everything one training run reads and writes (JSON-able: torchrun workers get it as a file)."""
+
+    target_dir: str
+    vocab_path: str
+    train_shards: list[str]
+    val_shards: list[str]
+    draft_dir: str
+    metrics_path: str
+    checkpoint_dir: str
+    settings: TrainSettings = field(default_factory=TrainSettings)
+    trust_remote_code: bool = False
+    # Stop after this many steps as if killed (tests and benchmarks); None runs to the end.
+    stop_after: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "settings": self.settings.to_dict()}, indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> TrainJob:
+        data = read_json(path)
+        data["settings"] = TrainSettings.from_config(data["settings"])
+        return cls(**data)
+
+
+# ------------------------------------------------------------------ setup helpers
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_placement(device: str) -> Placement:
+    """Start torch.distributed when torchrun launched us; pick this process's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but torch sees no CUDA device")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        chosen = torch.device("cuda", local_rank)
+    else:
+        chosen = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return Placement(dist.get_rank() if world_size > 1 else 0, world_size, chosen)
+
+
+def lr_factor(step: int, settings: TrainSettings, total_steps: int) -> float:
+    """Linear warm-up, then cosine or linear decay to zero (or constant)."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    if settings.scheduler == "none":
+        return 1.0
+    progress = (step - settings.warmup_steps) / max(1, total_steps - settings.warmup_steps)
+    progress = min(1.0, progress)
+    if settings.scheduler == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def loss_implementation(settings: TrainSettings, device: torch.device) -> str:
+    """speculators' fused losses are Triton kernels: GPUs with Triton only."""
+    if settings.loss_implementation != "auto":
+        return settings.loss_implementation
+    if device.type != "cuda":
+        return "eager"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "eager"
+    return "fused"
+
+
+def build_optimizers(model: torch.nn.Module, settings: TrainSettings) -> list:
+    """speculators' optimizer choice (AdamW, or Muon for matrices + AdamW for the rest)."""
+    from speculators.train.optimizers import build_optimizers as speculators_optimizers
+
+    options = SimpleNamespace(
+        optimizer=settings.optimizer,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        muon_lr=settings.lr,
+        muon_momentum=0.95,
+        muon_weight_decay=settings.weight_decay,
+        muon_ns_steps=5,
+        muon_adjust_lr_fn="match_rms_adamw",
+    )
+    return speculators_optimizers(model, options)
+
+
+def reduce_sum(metrics: dict[str, torch.Tensor], placement: Placement) -> dict[str, float]:
+    """Sum speculators' counted metrics (``*_sum`` / ``*_total``) over ranks; to floats."""
+    keys = sorted(metrics)
+    stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
+    if placement.world_size > 1:
+        dist.all_reduce(stacked)
+    return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+def autocast(device: torch.device):
+    # bf16 autocast on GPUs (speculators' default); exact fp32 on the CPU.
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------ evaluation
+@torch.no_grad()
+def evaluate(model, shards: ShardSet, job: TrainJob, placement: Placement, call_kwargs) -> dict:
+    settings = job.settings
+    model.eval()
+    totals: dict[str, float] = {}
+    batches = val_batches(shards, settings.tokens_per_batch, placement.rank, placement.world_size)
+    for refs in batches:
+        batch = to_device(collate(shards, refs, settings.tokens_per_batch, hidden_dtype(placement)), placement)
+        with autocast(placement.device):
+            _, _, metrics = model(**batch, **call_kwargs)
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    if placement.world_size > 1:
+        totals = reduce_sum({k: torch.tensor(v, device=placement.device) for k, v in totals.items()}, placement)
+    model.train()
+    return totals
+
+
+def hidden_dtype(placement: Placement) -> torch.dtype:
+    # The store holds bf16; the CPU model trains in fp32.
+    return torch.bfloat16 if placement.device.type == "cuda" else torch.float32
+
+
+def to_device(batch: dict[str, torch.Tensor], placement: Placement) -> dict[str, torch.Tensor]:
+    return {k: v.to(placement.device, non_blocking=True) for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------ the run
+def train(job: TrainJob) -> dict | None:
+    """Train (resuming from the newest matching checkpoint), export the draft; rank 0 returns its summary."""
+    settings = job.settings
+    placement = init_placement(settings.device)
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+
+    train_shards = ShardSet(job.train_shards)
+    val_shards = ShardSet(job.val_shards)
+    d2t, t2d = read_vocab(job.vocab_path)
+    attn_impl = resolve_attn_impl(settings.attn_impl, placement.device)
+    model = build_draft_model(
+        job.target_dir,
+        train_shards.aux_layer_ids,
+        d2t,
+        t2d,
+        num_layers=settings.num_layers,
+        ttt_steps=settings.ttt_steps,
+        attn_impl=attn_impl,
+        trust_remote_code=job.trust_remote_code,
+    ).to(placement.device)
+    raw_model = model
+    optimizers = build_optimizers(model, settings)
+
+    from speculators.losses import resolve_loss_config
+
+    call_kwargs = {
+        "ttt_steps": settings.ttt_steps,
+        "ttt_step_loss_decay": settings.ttt_step_loss_decay,
+        "loss_config": resolve_loss_config(settings.loss, loss_implementation(settings, placement.device)),
+    }
+    plan = TrainPlan(
+        train_shards,
+        settings.tokens_per_batch,
+        settings.epochs,
+        settings.seed,
+        placement.world_size,
+        settings.max_steps,
+    )
+    identity = {
+        "fingerprint": settings.fingerprint(),
+        "world_size": placement.world_size,
+        "train_shards": [shard_digest(d) for d in job.train_shards],
+    }
+    start = resume(job, model, optimizers, identity, placement)
+
+    metrics_log = MetricsLog(job.metrics_path, enabled=placement.is_main, keep_before=start)
+    if placement.world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[placement.device.index] if placement.device.type == "cuda" else None
+        )
+    if placement.is_main:
+        log.info(
+            "training %d steps from step %d on %s x%d (attention %s, loss %s/%s); "
+            "%d train samples in %d shard(s), %d val samples",
+            plan.total_steps,
+            start,
+            placement.device,
+            placement.world_size,
+            attn_impl,
+            settings.loss,
+            loss_implementation(settings, placement.device),
+            len(train_shards.samples),
+            len(job.train_shards),
+            len(val_shards.samples),
+        )
+    if start == 0:
+        metrics_log.write(summarize("val", 0, evaluate(model, val_shards, job, placement, call_kwargs), settings.ttt_steps))
+
+    model.train()
+    end = plan.total_steps if job.stop_after is None else min(plan.total_steps, job.stop_after)
+    progress = tqdm(
+        range(start, end), desc="train", mininterval=5, disable=not placement.is_main, initial=start, total=plan.total_steps
+    )
+    last_val: dict | None = None
+    for step in progress:
+        started = time.perf_counter()
+        factor = lr_factor(step, settings, plan.total_steps)
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * factor
+        refs = plan.batch(step, placement.rank)
+        batch = to_device(collate(train_shards, refs, settings.tokens_per_batch, hidden_dtype(placement)), placement)
+        with autocast(placement.device):
+            _, loss, metrics = model(**batch, **call_kwargs)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), settings.grad_clip)
+        for optimizer in optimizers:
+            optimizer.step()
+        metrics["tokens_sum"] = torch.tensor(float(batch["input_ids"].shape[1]), device=loss.device)
+        counted = reduce_sum(metrics, placement)
+        seconds = time.perf_counter() - started
+        record: StepMetrics = summarize("train", step + 1, counted, settings.ttt_steps)
+        record.update(
+            epoch=plan.position(step)[0],
+            lr=settings.lr * factor,
+            grad_norm=float(grad_norm),
+            tokens=int(counted["tokens_sum"]),
+            tokens_per_s=counted["tokens_sum"] / seconds,
+        )
+        metrics_log.write(record)
+        done = step + 1
+        if placement.is_main and (done % settings.log_every == 0 or done == end):
+            progress.write(
+                f"step {done}/{plan.total_steps} loss {record['loss']:.4f} "
+                f"acc {' '.join(f'{a:.3f}' for a in record['full_acc'])} "
+                f"{record['tokens_per_s']:.0f} tok/s"
+            )
+        if done % settings.eval_every == 0 or done == plan.total_steps:
+            last_val = summarize("val", done, evaluate(model, val_shards, job, placement, call_kwargs), settings.ttt_steps)
+            metrics_log.write(last_val)
+            if placement.is_main:
+                progress.write(f"step {done} val loss {last_val['loss']:.4f} acc {last_val['full_acc']}")
+        if done % settings.checkpoint_every == 0 and done < plan.total_steps:
+            if placement.is_main:
+                save_checkpoint(
+                    job.checkpoint_dir,
+                    done,
+                    trainable_state(raw_model),
+                    optimizers,
+                    {**identity, "epoch": plan.position(step)[0]},
+                    settings.keep_checkpoints,
+                )
+            if placement.world_size > 1:
+                dist.barrier()
+    progress.close()
+    if end < plan.total_steps:
+        log.info("stopped after step %d of %d as asked (stop_after)", end, plan.total_steps)
+        return None
+
+    summary = None
+    if placement.is_main:
+        summary = {
+            "steps": plan.total_steps,
+            "epochs": len([c for c in plan.steps_per_epoch[: settings.epochs] if c]),
+            "train_samples": len(train_shards.samples),
+            "train_tokens": sum(r.num_tokens for r in train_shards.samples),
+            "val_samples": len(val_shards.samples),
+            "val": last_val,
+            "world_size": placement.world_size,
+            "device": placement.device.type,
+        }
+        export_draft(raw_model, job, summary)
+    if placement.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def shard_digest(shard_dir: str) -> str:
+    """The sha256 of a shard's index: changes whenever its samples do."""
+    return read_json(Path(shard_dir) / "manifest.json")["files"]["index.json"]
+
+
+def resume(job: TrainJob, model, optimizers, identity: dict, placement: Placement) -> int:
+    """Load the newest checkpoint written under the same settings and data; return its step."""
+    path = latest_checkpoint(job.checkpoint_dir)
+    if path is None:
+        return 0
+    state = read_json(path / "state.json")
+    mismatched = [k for k in identity if state.get(k) != identity[k]]
+    if mismatched:
+        if placement.is_main:
+            log.warning("discarding checkpoints in %s: %s changed", job.checkpoint_dir, mismatched)
+            shutil.rmtree(job.checkpoint_dir)
+        if placement.world_size > 1:
+            dist.barrier()
+        return 0
+    load_checkpoint(path, model, optimizers)
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])

@@ -1,0 +1,78 @@
+"""Training settings (the ``train:`` section of config/config.yaml), checked once at start."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULERS = ("cosine", "linear", "none")
+ATTN_IMPLS = ("auto", "sdpa", "eager", "simple_flex_attention")
+LOSS_IMPLS = ("auto", "eager", "fused")
+DEVICES = ("auto", "cpu", "cuda")
+# Settings that change what is logged or kept, never the trained weights.
+_BOOKKEEPING = frozenset({"eval_every", "checkpoint_every", "keep_checkpoints", "log_every"})
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    num_layers: int = 1
+    ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
+    # A speculators loss name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON weight dict.
+    loss: str = "kl_div"
+    loss_implementation: str = "auto"
+    epochs: int = 1
+    max_steps: int | None = None
+    tokens_per_batch: int = 4096
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    scheduler: str = "cosine"
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    attn_impl: str = "auto"
+    # CPU threads for torch (0: leave torch's default).
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        choices = {
+            "optimizer": OPTIMIZERS,
+            "scheduler": SCHEDULERS,
+            "attn_impl": ATTN_IMPLS,
+            "loss_implementation": LOSS_IMPLS,
+            "device": DEVICES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"train.{name} {getattr(self, name)!r} is not one of {allowed}")
+        positive = ("num_layers", "ttt_steps", "epochs", "tokens_per_batch", "eval_every")
+        positive += ("checkpoint_every", "keep_checkpoints", "log_every")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
+
+    @classmethod
+    def from_config(cls, section: dict) -> TrainSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ValueError(f"unknown train settings {unknown}; known: {sorted(known)}")
+        return cls(**section)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of the settings that shape the weights: a checkpoint from others is not resumed."""
+        shaping = {k: v for k, v in self.to_dict().items() if k not in _BOOKKEEPING}
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()

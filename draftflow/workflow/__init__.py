@@ -1,0 +1,1 @@
+"""Glue between Snakemake and the package: script set-up, GPU leases, code digests."""

@@ -1,0 +1,169 @@
+# Shared glue: config validation, paths, and every input function the rules call by name.
+import json
+import re
+from pathlib import Path
+
+from snakemake.utils import validate
+
+
+validate(config, schema="../config/schema.yaml")
+
+
+RESULTS = Path("results")
+RESOURCES = Path("resources")
+SPLITS_EXTRACTED = ["train", "val"]
+
+
+# ---------------------------------------------------------------- target
+def target_dir():
+    return str(RESOURCES / "target")
+
+
+def target_info():
+    """The prepared target's description, written last: depend on it to depend on the target."""
+    return str(RESOURCES / "target" / "draftflow_target.json")
+
+
+# ---------------------------------------------------------------- corpus
+def corpus_for_tokenize():
+    """Regenerated conversations when regeneration is on, else the ingested ones."""
+    if config["corpus"].get("regenerate", {}).get("enabled", False):
+        return str(RESULTS / "corpus" / "regenerated.jsonl")
+    return str(RESULTS / "corpus" / "ingested.jsonl")
+
+
+def corpus_source_files():
+    """The raw corpus files (pkg: references resolved), so that editing one reruns ingest."""
+    from draftflow.resources import resolve_path
+
+    return [str(resolve_path(source["path"])) for source in config["corpus"]["sources"]]
+
+
+def regenerate_settings():
+    """The corpus.regenerate section (defaults from the schema), minus the on/off switch."""
+    section = dict(config["corpus"].get("regenerate", {}))
+    section.pop("enabled", None)
+    return section
+
+
+# ---------------------------------------------------------------- shards
+def num_shards(split):
+    return int(config["extract"].get("num_shards", {}).get(split, 1))
+
+
+def shard_names(split):
+    return [f"shard-{index:05d}" for index in range(num_shards(split))]
+
+
+def shard_parquets(split):
+    return [str(RESULTS / "shard" / split / f"{name}.parquet") for name in shard_names(split)]
+
+
+def extract_dirs(split):
+    return [str(RESULTS / "extract" / split / name) for name in shard_names(split)]
+
+
+# ---------------------------------------------------------------- resources
+def mem_mb(stage):
+    table = config.get("resources", {}).get("mem_mb", {})
+    return int(table.get(stage, table.get("default", 4000)))
+
+
+def extract_gpus():
+    return int(config["extract"].get("tp_size", 1)) if config["extract"].get("use_gpu", False) else 0
+
+
+def extract_settings():
+    """Every extract setting a capture job uses (num_shards shapes the DAG, not a job)."""
+    return {key: value for key, value in config["extract"].items() if key != "num_shards"}
+
+
+# ---------------------------------------------------------------- bench and report
+BENCH_SETTINGS = (
+    "num_speculative_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_tokens",
+    "repeats",
+    "warmup_tokens",
+    "max_model_len",
+    "max_num_seqs",
+    "gpu_memory_utilization",
+    "reserved_cpus",
+    "engine_args",
+)
+
+
+def bench_dataset_names():
+    return [entry["name"] for entry in config["bench"]["datasets"]]
+
+
+def bench_dataset_pattern():
+    """Wildcard constraint: only configured prompt-set names (keeps bench paths unambiguous)."""
+    return "|".join(re.escape(name) for name in bench_dataset_names())
+
+
+def bench_dataset(wildcards):
+    """The config entry of one prompt set (kind, path, limit, order, seed)."""
+    for entry in config["bench"]["datasets"]:
+        if entry["name"] == wildcards.dataset:
+            return entry
+    raise ValueError(
+        f"bench dataset {wildcards.dataset!r} is not configured; known: {bench_dataset_names()}"
+    )
+
+
+def bench_settings():
+    """Every bench setting the engines use, so that changing one reruns the benchmark."""
+    return {key: config["bench"][key] for key in BENCH_SETTINGS if key in config["bench"]}
+
+
+def bench_threads():
+    return int(config["bench"].get("threads", 2))
+
+
+def bench_draft_dir():
+    return str(RESULTS / "train" / "draft")
+
+
+def bench_csvs():
+    return [str(RESULTS / "bench" / f"{name}.csv") for name in bench_dataset_names()]
+
+
+def report_extract_dirs():
+    """Capture stores of the training data (their manifests give the data size)."""
+    return extract_dirs("train") + extract_dirs("val")
+
+
+def report_outputs():
+    return [str(RESULTS / "summary.csv"), str(RESULTS / "summary.md")]
+
+
+# ---------------------------------------------------------------- final output
+def get_final_output():
+    return [
+        *shard_parquets("train"),
+        *shard_parquets("val"),
+    ]
+
+
+# ---- workflow engineering
+from draftflow.workflow.digest import code_digest, script_modules
+
+# Modules a stage runs that its script does not name in an import or a dotted string.
+# Everything the script imports is found by reading the script (see stage_modules).
+STAGE_EXTRA_MODULES = {}
+
+
+def stage_modules(stage):
+    """Entry modules of a stage: the draftflow modules scripts/<stage>.py imports, plus extras."""
+    script = Path(workflow.basedir) / "scripts" / f"{stage}.py"
+    extras = STAGE_EXTRA_MODULES.get(stage, [])
+    return script_modules(script, root=Path(workflow.basedir)) + extras
+
+
+def stage_code(stage):
+    """Digest of the draftflow code a stage runs; `params: code=stage_code("<stage>")` reruns
+    the stage when any of it changes (Snakemake's own code trigger sees only the script)."""
+    return code_digest(stage_modules(stage), root=Path(workflow.basedir))

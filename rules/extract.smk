@@ -1,0 +1,29 @@
+# stage: extract. One job per shard: the target's hidden states at the aux layers and the final
+# pre-norm output, captured in vLLM (or transformers) into a capture store, then spot-checked
+# against transformers (docs/design.md, docs/capture.md).
+
+
+rule extract:
+    input:
+        shard=str(RESULTS / "shard" / "{split}" / "{shard}.parquet"),
+        target=target_info(),
+    output:
+        directory(str(RESULTS / "extract" / "{split}" / "{shard}")),
+    log:
+        "logs/extract/{split}/{shard}.log",
+    benchmark:
+        "benchmarks/extract/{split}/{shard}.tsv"
+    wildcard_constraints:
+        split="train|val",
+        shard=r"shard-\d{5}",
+    params:
+        code=stage_code("extract"),
+        target_dir=target_dir(),
+        extract=extract_settings(),
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: int(config["extract"].get("threads", 2))
+    resources:
+        mem_mb=mem_mb("extract"),
+        gpu=extract_gpus(),
+    script:
+        "../scripts/extract.py"

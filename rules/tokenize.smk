@@ -1,0 +1,77 @@
+# stage: tokenize -> split -> shard (token samples with loss masks, docs/design.md)
+
+
+rule tokenize:
+    input:
+        corpus=corpus_for_tokenize(),
+        target=rules.prepare_target.output.info,
+    output:
+        samples="results/tokenize/samples.parquet",
+        token_freq="results/tokenize/token_freq.safetensors",
+        summary="results/tokenize/summary.json",
+    log:
+        "logs/tokenize.log",
+    benchmark:
+        "benchmarks/tokenize.tsv"
+    params:
+        code=stage_code("tokenize"),
+        target_dir=target_dir(),
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+        max_length=config["tokenize"].get("max_length", 2048),
+        long_samples=config["tokenize"].get("long_samples", "truncate"),
+        max_turns=config["tokenize"].get("max_turns"),
+        # token_freq counts train samples only, so the split settings belong here too
+        split_seed=config["split"].get("seed", 0),
+        val_fraction=config["split"].get("val_fraction", 0.05),
+        test_fraction=config["split"].get("test_fraction", 0.0),
+    threads: 1
+    resources:
+        mem_mb=mem_mb("tokenize"),
+    script:
+        "../scripts/tokenize.py"
+
+
+rule split:
+    input:
+        samples=rules.tokenize.output.samples,
+    output:
+        train="results/split/train.parquet",
+        val="results/split/val.parquet",
+        test="results/split/test.parquet",
+        summary="results/split/summary.json",
+    log:
+        "logs/split.log",
+    benchmark:
+        "benchmarks/split.tsv"
+    params:
+        code=stage_code("split"),
+        seed=config["split"].get("seed", 0),
+        val_fraction=config["split"].get("val_fraction", 0.05),
+        test_fraction=config["split"].get("test_fraction", 0.0),
+    threads: 1
+    resources:
+        mem_mb=mem_mb("split"),
+    script:
+        "../scripts/split.py"
+
+
+rule shard:
+    input:
+        train=rules.split.output.train,
+        val=rules.split.output.val,
+    output:
+        train=shard_parquets("train"),
+        val=shard_parquets("val"),
+        manifest="results/shard/manifest.json",
+    log:
+        "logs/shard.log",
+    benchmark:
+        "benchmarks/shard.tsv"
+    params:
+        code=stage_code("shard"),
+        num_shards={split: num_shards(split) for split in SPLITS_EXTRACTED},
+    threads: 1
+    resources:
+        mem_mb=mem_mb("shard"),
+    script:
+        "../scripts/shard.py"

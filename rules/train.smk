@@ -1,0 +1,1 @@
+# stage: train (rules land here)

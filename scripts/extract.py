@@ -1,0 +1,26 @@
+"""Rule extract: one shard's hidden states -> results/extract/{split}/{shard}/ (a capture store)."""
+
+# vLLM starts its workers with spawn, which re-imports this file: everything stays under the guard.
+if __name__ == "__main__":
+    from draftflow.capture.extract import ExtractSettings, run_extract
+    from draftflow.workflow.gpu import gpu_lease
+    from draftflow.workflow.script import setup_logging
+
+    log = setup_logging(snakemake)
+    settings = ExtractSettings.from_config(
+        snakemake.params.extract,
+        trust_remote_code=snakemake.params.trust_remote_code,
+    )
+    with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
+        manifest = run_extract(
+            snakemake.input.shard,
+            snakemake.params.target_dir,
+            snakemake.output[0],
+            settings,
+        )
+    log.info(
+        "extract done: %d samples, %d tokens, verification %s",
+        manifest["num_samples"],
+        manifest["num_tokens"],
+        "passed" if manifest["verification"]["passed"] else "failed",
+    )

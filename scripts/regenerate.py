@@ -1,0 +1,36 @@
+"""Rule regenerate: re-answer the ingested conversations with the target (vLLM)."""
+
+from draftflow.corpus.regenerate import (
+    RegenerateSettings,
+    fingerprint,
+    make_engine,
+    read_conversations,
+    regenerate,
+)
+from draftflow.workflow.script import setup_logging
+
+if __name__ == "__main__":  # vLLM starts its engine worker with spawn
+    log = setup_logging(snakemake)
+    section = snakemake.params.settings
+    settings = RegenerateSettings.from_config(section)
+    max_model_len = int(section.get("max_model_len", 2048))
+    conversations = read_conversations(snakemake.input.conversations)
+    llm = make_engine(
+        snakemake.params.model,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.1)),
+        trust_remote_code=snakemake.params.trust_remote_code,
+        seed=settings.seed,
+    )
+    regenerate(
+        conversations,
+        llm,
+        settings,
+        output=snakemake.output.conversations,
+        summary=snakemake.output.summary,
+        progress=snakemake.params.progress,
+        run_fingerprint=fingerprint(
+            snakemake.input.conversations, snakemake.params.model, settings, max_model_len
+        ),
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,26 @@
+"""Rule tokenize: conversations -> token samples with loss masks (draftflow.data.tokenize)."""
+
+from draftflow.workflow.script import setup_logging
+
+log = setup_logging(snakemake)
+
+from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus  # noqa: E402
+
+params = snakemake.params
+settings = TokenizeSettings(
+    max_length=params.max_length,
+    long_samples=params.long_samples,
+    max_turns=params.max_turns,
+    split_seed=params.split_seed,
+    val_fraction=params.val_fraction,
+    test_fraction=params.test_fraction,
+)
+tokenize_corpus(
+    corpus_path=snakemake.input.corpus,
+    target_dir=params.target_dir,
+    samples_path=snakemake.output.samples,
+    token_freq_path=snakemake.output.token_freq,
+    summary_path=snakemake.output.summary,
+    settings=settings,
+    trust_remote_code=params.trust_remote_code,
+)

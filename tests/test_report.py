@@ -1,0 +1,250 @@
+"""Report stage on hand-made bench CSVs and training logs (no engine needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from draftflow.bench.run import CSV_COLUMNS
+from draftflow.report.build import ReportPaths, build_report, data_size, describe_draft
+from draftflow.report.summary import best_k, step_cost, summarise, where_the_time_goes
+from draftflow.report.train_log import final_accuracy, last_step, read_train_log
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def bench_row(dataset, k, run, tokens_per_s, drafts=0, accepted_per_pos=(), identical=True):
+    accepted = sum(accepted_per_pos)
+    return {
+        "dataset": dataset,
+        "k": k,
+        "run": run,
+        "method": "eagle3" if k else "plain",
+        "temperature": 0.0,
+        "max_tokens": 64,
+        "num_prompts": 4,
+        "num_requests": 8,
+        "prompt_tokens": 800,
+        "output_tokens": 500,
+        "elapsed_s": 500 / tokens_per_s,
+        "tokens_per_s": tokens_per_s,
+        "tpot_ms": 1000 / tokens_per_s,
+        "requests_per_s": 8 * tokens_per_s / 500,
+        "speedup": float("nan"),  # the summary recomputes it from pooled runs
+        "num_drafts": drafts,
+        "num_draft_tokens": k * drafts,
+        "num_accepted_tokens": accepted,
+        "accepted_per_pos": json.dumps(list(accepted_per_pos)),
+        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance_rate": accepted / (k * drafts) if drafts else float("nan"),
+        "acceptance_per_pos": json.dumps([a / drafts for a in accepted_per_pos] if drafts else []),
+        "outputs_identical": identical,
+        "num_requests_differ": 0 if identical else 1,
+        "first_difference": "none" if identical else "mtbench-81: turn 1, token 7",
+    }
+
+
+@pytest.fixture
+def bench_csv(tmp_path: Path) -> Path:
+    rows = [
+        bench_row("mtbench", 0, 0, 100.0),
+        bench_row("mtbench", 0, 1, 100.0),
+        # k=1: tau = 1 + 70/100 = 1.7 at 120 tokens/s
+        bench_row("mtbench", 1, 0, 110.0, drafts=60, accepted_per_pos=[40]),
+        bench_row("mtbench", 1, 1, 130.0, drafts=40, accepted_per_pos=[30]),
+        # k=3: tau = 1 + (80+60+40)/100 = 2.8 at 150 tokens/s
+        bench_row("mtbench", 3, 0, 150.0, drafts=100, accepted_per_pos=[80, 60, 40]),
+        bench_row("mtbench", 3, 1, 150.0, drafts=100, accepted_per_pos=[80, 60, 40]),
+    ]
+    path = tmp_path / "mtbench.csv"
+    frame = pd.DataFrame(rows)
+    assert list(frame.columns) == CSV_COLUMNS
+    frame.to_csv(path, index=False)
+    return path
+
+
+@pytest.fixture
+def other_csv(tmp_path: Path) -> Path:
+    rows = [
+        bench_row("humaneval", 0, 0, 200.0),
+        bench_row("humaneval", 2, 0, 180.0, drafts=50, accepted_per_pos=[20, 5], identical=False),
+    ]
+    path = tmp_path / "humaneval.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_summary_pools_runs_and_computes_speedup(bench_csv: Path):
+    summary = summarise(pd.read_csv(bench_csv))
+    assert list(summary["k"]) == [0, 1, 3]
+    k1 = summary[summary["k"] == 1].iloc[0]
+    assert k1["acceptance_length"] == pytest.approx(1.7)  # pooled, not a mean of per-run ratios
+    assert k1["acceptance_rate"] == pytest.approx(0.7)
+    assert k1["tokens_per_s"] == pytest.approx(120.0)
+    assert k1["speedup"] == pytest.approx(1.2)
+    k3 = summary[summary["k"] == 3].iloc[0]
+    assert k3["acceptance_length"] == pytest.approx(2.8)
+    assert json.loads(k3["acceptance_per_pos"]) == pytest.approx([0.8, 0.6, 0.4])
+    assert k3["speedup"] == pytest.approx(1.5)
+    # 2.8 tokens per step at 1.5x the plain speed: one step costs 2.8 / 1.5 plain steps.
+    assert k3["step_cost"] == pytest.approx(2.8 / 1.5)
+    assert bool(k3["outputs_identical"]) is True
+    plain = summary[summary["k"] == 0].iloc[0]
+    assert plain["acceptance_length"] == 1.0 and plain["speedup"] == pytest.approx(1.0)
+    assert math.isnan(plain["acceptance_rate"])
+
+
+def test_step_cost_identity():
+    # speed-up = tau / cost, whatever the numbers
+    assert 2.5 / step_cost(100.0, 125.0, 2.5) == pytest.approx(1.25)
+    assert math.isnan(step_cost(100.0, 0.0, 2.0))
+
+
+def test_best_k_and_where_the_time_goes(bench_csv: Path, other_csv: Path):
+    summary = summarise(pd.concat([pd.read_csv(bench_csv), pd.read_csv(other_csv)]))
+    best = best_k(summary).set_index("dataset")
+    assert best.loc["mtbench", "k"] == 3
+    assert best.loc["humaneval", "k"] == 2
+    assert not bool(best.loc["humaneval", "outputs_identical"])
+    lines = where_the_time_goes(summary)
+    text = "\n".join(lines)
+    assert "at k=3 a speculative step costs 1.87 plain steps" in text
+    assert "(0.29 per draft token)" in text
+    assert "pays off" in text
+    # humaneval k=2: tau 1.5 at 0.9x speed: the step costs 1.67 plain steps, more than tau.
+    assert "at k=2 a speculative step costs 1.67 plain steps" in text
+    assert "does not pay off" in text
+
+
+def write_metrics(path: Path) -> None:
+    records = [
+        {"phase": "train", "step": 10, "loss": 5.0, "acc": [0.10, 0.05, 0.01]},
+        {"phase": "train", "step": 20, "loss": 4.0, "acc": [0.20, 0.10, 0.05]},
+        {"phase": "eval", "step": 20, "loss": 4.5, "acc_0": 0.15, "acc_1": 0.08, "acc_2": 0.03},
+        {"step": 30, "train/loss": 3.5, "train/accuracy_pos0": 0.3},
+        {"step": 30, "val_loss": 4.0, "val_acc_0": 0.25, "val_acc_1": 0.12, "val_acc_2": 0.06},
+    ]
+    text = "\n".join(json.dumps(r) for r in records) + '\n{"step": 40, "loss": 3.'  # cut short
+    path.write_text(text)
+
+
+def test_train_log_reads_common_spellings(tmp_path: Path):
+    path = tmp_path / "metrics.jsonl"
+    write_metrics(path)
+    log = read_train_log(path)
+    assert last_step(log) == 30
+    losses = log[log["metric"] == "loss"].set_index(["phase", "step"])["value"]
+    assert losses.to_dict() == {
+        ("train", 10): 5.0,
+        ("train", 20): 4.0,
+        ("eval", 20): 4.5,
+        ("train", 30): 3.5,
+        ("eval", 30): 4.0,
+    }
+    assert final_accuracy(log) == ("eval", {0: 0.25, 1: 0.12, 2: 0.06})
+    missing = read_train_log(tmp_path / "absent.jsonl")
+    assert missing.empty and final_accuracy(missing) == (None, {})
+
+
+@pytest.fixture
+def run_dirs(tmp_path: Path) -> dict[str, Path]:
+    target = tmp_path / "resources" / "target"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "num_hidden_layers": 30,
+                "hidden_size": 576,
+                "vocab_size": 49152,
+            }
+        )
+    )
+    (target / "draftflow_target.json").write_text(json.dumps({"origin": "SmolLM2.gguf"}))
+    draft = tmp_path / "train" / "draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "eagle3",
+                "draft_vocab_size": 8192,
+                "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+                "transformer_layer_config": {"num_hidden_layers": 1},
+            }
+        )
+    )
+    extract = []
+    for split, samples, tokens in [("train", 30, 9000), ("train", 10, 3000), ("val", 2, 500)]:
+        shard = tmp_path / "extract" / split / f"shard-{len(extract):05d}"
+        shard.mkdir(parents=True)
+        (shard / "manifest.json").write_text(
+            json.dumps({"num_samples": samples, "num_tokens": tokens})
+        )
+        extract.append(shard)
+    return {"target": target, "draft": draft, "extract": extract}
+
+
+def report_paths(out: Path) -> ReportPaths:
+    plots = out / "plots"
+    return ReportPaths(
+        summary=out / "summary.csv",
+        markdown=out / "summary.md",
+        acceptance_length=plots / "acceptance_length.png",
+        acceptance_per_pos=plots / "acceptance_per_position.png",
+        speedup=plots / "speedup.png",
+        train_loss=plots / "train_loss.png",
+        train_accuracy=plots / "train_accuracy.png",
+    )
+
+
+def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, run_dirs):
+    metrics = tmp_path / "metrics.jsonl"
+    write_metrics(metrics)
+    paths = report_paths(tmp_path / "results")
+    build_report(
+        [bench_csv, other_csv], metrics, run_dirs["target"], run_dirs["draft"], run_dirs["extract"],
+        paths,
+    )
+    summary = pd.read_csv(paths.summary)
+    required = ["dataset", "k", "acceptance_length", "acceptance_rate", "tokens_per_s", "speedup",
+                "outputs_identical"]
+    assert set(required) <= set(summary.columns)
+    assert len(summary) == 5
+    markdown = Path(paths.markdown).read_text()
+    assert "LlamaForCausalLM (30 layers, hidden 576, vocab 49152), from `SmolLM2.gguf`" in markdown
+    assert "eagle3, 1 layer(s), draft vocab 8192, aux layers [2, 15, 27]" in markdown
+    assert "train 40 samples / 12000 tokens, val 2 samples / 500 tokens" in markdown
+    assert "Training steps: 30" in markdown
+    assert "Validation accuracy per draft position (last step): pos 1: 0.250" in markdown
+    assert "| mtbench | 0 | 3 | 2.80 | 1.50 | True |" in markdown
+    assert "humaneval k=2: 1 request(s)" in markdown  # differing outputs are reported
+    assert "## Where the time goes" in markdown
+    for name in ["acceptance_length", "acceptance_per_pos", "speedup", "train_loss",
+                 "train_accuracy"]:
+        png = Path(getattr(paths, name))
+        assert png.read_bytes()[:8] == PNG_SIGNATURE, name
+        assert png.stat().st_size > 5000, name  # axes, lines and labels, not an empty canvas
+
+
+def test_build_report_tolerates_missing_training_records(tmp_path, bench_csv, run_dirs):
+    paths = report_paths(tmp_path / "results")
+    build_report(
+        [bench_csv], tmp_path / "absent.jsonl", run_dirs["target"], tmp_path / "no-draft", [],
+        paths,
+    )
+    markdown = Path(paths.markdown).read_text()
+    assert "Training steps: unknown" in markdown
+    assert "Draft: unknown (no config.json)" in markdown
+    assert Path(paths.train_loss).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_data_size_and_draft_description(run_dirs):
+    assert data_size(run_dirs["extract"]) == {
+        "train": {"samples": 40, "tokens": 12000},
+        "val": {"samples": 2, "tokens": 500},
+    }
+    assert describe_draft(run_dirs["draft"]).startswith("eagle3, 1 layer(s)")

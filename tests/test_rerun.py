@@ -1,0 +1,334 @@
+"""What reruns after a change: config keys and draftflow code, on the real workflow.
+
+A copy of the workflow runs for real on a tiny config; then one change at a time (one config
+key, or one ``draftflow`` module) is made and a dry-run says which jobs Snakemake would run and
+why. The table ``CHANGES`` is the specification: extend it as stages land.
+
+The first part tests ``draftflow.workflow.digest`` itself on a small fake package.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from draftflow.workflow.digest import code_digest, module_closure, script_modules
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+
+
+# ---------------------------------------------------------------- code digests
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+@pytest.fixture
+def fake_package(tmp_path: Path) -> Path:
+    _write(
+        tmp_path,
+        {
+            "draftflow/__init__.py": "",
+            "draftflow/io.py": "import json\n",
+            "draftflow/data/__init__.py": "",
+            # relative import of a sibling module, and a from-import naming a submodule
+            "draftflow/data/split.py": "from . import hashing\nfrom draftflow import io\n",
+            "draftflow/data/hashing.py": "import hashlib\n",
+            # lazy import inside a function, and a module named only in a string
+            "draftflow/capture/__init__.py": "",
+            "draftflow/capture/extract.py": """
+                def run():
+                    from draftflow.data.split import assign  # noqa
+                    return "draftflow.capture.worker.Hooks"
+                """,
+            "draftflow/capture/worker.py": "from ..io import read_json\n",
+            "draftflow/report/__init__.py": "",
+            "draftflow/report/plots.py": "import matplotlib\n",
+        },
+    )
+    return tmp_path
+
+
+def test_closure_follows_every_kind_of_import(fake_package: Path) -> None:
+    closure = module_closure(["draftflow.capture.extract"], root=fake_package)
+    assert sorted(closure) == [
+        "draftflow",
+        "draftflow.capture",
+        "draftflow.capture.extract",
+        "draftflow.capture.worker",
+        "draftflow.data",
+        "draftflow.data.hashing",
+        "draftflow.data.split",
+        "draftflow.io",
+    ]
+
+
+def test_digest_changes_exactly_with_the_code_a_stage_runs(fake_package: Path) -> None:
+    before = code_digest(["draftflow.capture.extract"], root=fake_package)
+    assert before == code_digest(["draftflow.capture.extract"], root=fake_package)
+    assert len(before) == 64
+
+    # A module nobody imports: same digest.
+    (fake_package / "draftflow/report/plots.py").write_text("import numpy\n")
+    assert code_digest(["draftflow.capture.extract"], root=fake_package) == before
+
+    # A module two imports away: new digest.
+    hashing = fake_package / "draftflow/data/hashing.py"
+    hashing.write_text("import hashlib  # faster\n")
+    os.utime(hashing, ns=(1, 1))  # the parse cache is keyed by mtime; the digest is not
+    assert code_digest(["draftflow.capture.extract"], root=fake_package) != before
+
+
+def test_unknown_stage_module_is_a_clear_error(fake_package: Path) -> None:
+    with pytest.raises(ValueError, match=r"draftflow\.data\.nope.*no source file"):
+        code_digest(["draftflow.data.nope"], root=fake_package)
+    with pytest.raises(ValueError, match="not inside the draftflow package"):
+        code_digest(["json"], root=fake_package)
+
+
+# ---------------------------------------------------------------- rules wire their code digest
+def _rule_blocks() -> Iterator[tuple[str, str]]:
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        for match in re.finditer(
+            r"^rule (\w+):\n(.*?)(?=^\S|\Z)", smk.read_text(), re.MULTILINE | re.DOTALL
+        ):
+            yield match.group(1), match.group(2)
+
+
+RULES_WITH_SCRIPTS = [
+    (name, body) for name, body in _rule_blocks() if re.search(r"^\s+script:", body, re.M)
+]
+
+
+@pytest.mark.parametrize(
+    ("rule", "body"), RULES_WITH_SCRIPTS, ids=[name for name, _ in RULES_WITH_SCRIPTS]
+)
+def test_rule_params_carry_the_digest_of_its_scripts_code(rule: str, body: str) -> None:
+    script = re.search(r'script:\s*\n\s*"\.\./scripts/(\w+)\.py"', body).group(1)
+    if not script_modules(REPO / "scripts" / f"{script}.py"):
+        pytest.skip(f"scripts/{script}.py imports no draftflow module")
+    stage = re.search(r'code=stage_code\("(\w+)"\)', body)
+    assert stage is not None, f'rule {rule} needs `code=stage_code("{script}"),` in its params'
+    # stage_code("x") digests what scripts/x.py imports: it must be this rule's own script.
+    assert stage.group(1) == script
+
+
+# ---------------------------------------------------------------- reruns on the real workflow
+@dataclass(frozen=True)
+class Change:
+    """One edit and its expected consequence in a dry-run of the finished tiny workflow."""
+
+    name: str
+    # ("config", "section.key", new value) or ("code", "draftflow/x/y.py", None)
+    kind: str
+    where: str
+    value: Any = None
+    # rules whose own params or code changed (the dry-run's provenance reasons)
+    triggered: frozenset[str] = field(default_factory=frozenset)
+    # every rule the dry-run would run: the triggered ones and everything downstream of them
+    reruns: frozenset[str] = field(default_factory=frozenset)
+
+
+def _rules(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+DATA = ("tokenize", "split", "shard")
+# The tiny workflow is run up to these rules (extend as stages land).
+FINAL_RULES = ["shard"]
+CHANGES = [
+    Change(
+        "corpus.max_conversations",
+        "config",
+        "corpus.max_conversations",
+        11,
+        _rules("ingest"),
+        _rules("ingest", *DATA),
+    ),
+    Change(
+        "corpus.seed", "config", "corpus.seed", 1, _rules("ingest"), _rules("ingest", *DATA)
+    ),
+    Change(
+        "tokenize.max_length",
+        "config",
+        "tokenize.max_length",
+        96,
+        _rules("tokenize"),
+        _rules(*DATA),
+    ),
+    # tokenize counts train-only token frequencies, so it reads the split settings too
+    Change(
+        "split.val_fraction",
+        "config",
+        "split.val_fraction",
+        0.3,
+        _rules("tokenize", "split"),
+        _rules(*DATA),
+    ),
+    Change(
+        "extract.num_shards.train",
+        "config",
+        "extract.num_shards.train",
+        3,
+        _rules("shard"),
+        _rules("shard"),
+    ),
+    Change(
+        "code:draftflow/data/shard.py",
+        "code",
+        "draftflow/data/shard.py",
+        None,
+        _rules("shard"),
+        _rules("shard"),
+    ),
+    Change(
+        "code:draftflow/data/split.py",
+        "code",
+        "draftflow/data/split.py",
+        None,
+        # assign_split is used by tokenize (train-only counts) and split
+        _rules("tokenize", "split"),
+        _rules(*DATA),
+    ),
+    # A module no stage of the tiny run imports: nothing reruns.
+    Change("code:draftflow/report/plots.py", "code", "draftflow/report/plots.py", None),
+]
+
+TINY_CONFIG: dict[str, Any] = {
+    "corpus": {"max_conversations": 12, "regenerate": {"enabled": False}},
+    "tokenize": {"max_length": 128},
+    "split": {"val_fraction": 0.25},
+    "extract": {"num_shards": {"train": 2, "val": 1}},
+}
+
+WORKFLOW_PARTS = ["Snakefile", "rules", "scripts", "draftflow", "config", "profiles", "docs"]
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _set_key(config: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(config)
+    *sections, key = dotted.split(".")
+    node = changed
+    for section in sections:
+        node = node[section]
+    assert key in node or dotted.startswith("extract."), f"{dotted} is not in the tiny config"
+    node[key] = value
+    return changed
+
+
+@dataclass
+class TinyWorkflow:
+    root: Path
+    config: dict[str, Any]
+
+    def snakemake(self, *args: str, config: dict[str, Any] | None = None) -> str:
+        config_path = self.root / "tiny.yaml"
+        config_path.write_text(yaml.safe_dump(config or self.config))
+        env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+        # The copy's own draftflow package, so code edits there are what the workflow sees.
+        env["PYTHONPATH"] = str(self.root)
+        env["HF_HUB_OFFLINE"] = "1"
+        result = subprocess.run(
+            [str(SNAKEMAKE), "--cores", "2", "--configfile", str(config_path), *args],
+            cwd=self.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        return result.stdout + result.stderr
+
+    def plan(self, config: dict[str, Any] | None = None) -> tuple[set[str], set[str]]:
+        """(rules a dry-run would run, rules triggered by changed params or code)."""
+        return parse_dry_run(self.snakemake("--dry-run", *FINAL_RULES, config=config))
+
+
+def parse_dry_run(output: str) -> tuple[set[str], set[str]]:
+    if "Nothing to be done" in output:
+        return set(), set()
+    table = re.search(r"Job stats:\njob\s+count\n[- ]+\n(.*?)\ntotal", output, re.DOTALL)
+    assert table is not None, output[-3000:]
+    would_run = {line.split()[0] for line in table.group(1).splitlines() if line.strip()}
+    triggered: set[str] = set()
+    for reason in ("params have changed", "code has changed"):
+        block = re.search(rf"^\s+{reason}[^\n]*:\n\s+(.*)$", output, re.MULTILINE)
+        if block:
+            triggered.update(name.strip() for name in block.group(1).split(","))
+    return would_run, triggered
+
+
+@pytest.fixture(scope="module")
+def tiny_workflow(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> TinyWorkflow:
+    """A finished run of the workflow copy up to FINAL_RULES, on the prepared demo target."""
+    root = tmp_path_factory.mktemp("rerun") / "workflow"
+    root.mkdir()
+    for part in WORKFLOW_PARTS:
+        source = REPO / part
+        if source.is_dir():
+            shutil.copytree(source, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.exists():
+            shutil.copy2(source, root / part)
+    # The target is prepared once per test session: link its files instead of preparing it.
+    target = root / "resources" / "target"
+    target.mkdir(parents=True)
+    for path in smollm2_dir.iterdir():
+        (target / path.name).symlink_to(path)
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    workflow = TinyWorkflow(root, _merge(base, TINY_CONFIG))
+    workflow.snakemake(*FINAL_RULES)
+    return workflow
+
+
+def _available_rules() -> set[str]:
+    return {name for name, _ in _rule_blocks()}
+
+
+@pytest.mark.workflow
+def test_a_finished_run_has_nothing_to_do(tiny_workflow: TinyWorkflow) -> None:
+    assert tiny_workflow.plan() == (set(), set())
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize("change", CHANGES, ids=[change.name for change in CHANGES])
+def test_one_change_reruns_exactly_its_stages(tiny_workflow: TinyWorkflow, change: Change) -> None:
+    missing = (change.reruns | set(FINAL_RULES)) - _available_rules()
+    if missing:
+        pytest.skip(f"rules not written yet: {', '.join(sorted(missing))}")
+    if change.kind == "config":
+        config = _set_key(tiny_workflow.config, change.where, change.value)
+        assert tiny_workflow.plan(config) == (set(change.reruns), set(change.triggered))
+    else:
+        module = tiny_workflow.root / change.where
+        original = module.read_bytes()
+        try:
+            module.write_bytes(original + b"\n# an edit that changes the module's bytes\n")
+            assert tiny_workflow.plan() == (set(change.reruns), set(change.triggered))
+        finally:
+            module.write_bytes(original)
+    # Undone, the change leaves nothing to do.
+    assert tiny_workflow.plan() == (set(), set())

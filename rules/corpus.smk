@@ -12,14 +12,15 @@ rule ingest:
         "logs/ingest.log",
     benchmark:
         "benchmarks/ingest.tsv"
+    threads: 1
+    resources:
+        mem_mb=mem_mb("ingest"),
     params:
         sources=config["corpus"]["sources"],
         max_conversations=config["corpus"]["max_conversations"],
         seed=config["corpus"]["seed"],
         on_bad_record=config["corpus"]["on_bad_record"],
-    threads: 1
-    resources:
-        mem_mb=mem_mb("ingest"),
+        code=stage_code("ingest"),
     script:
         "../scripts/ingest.py"
 
@@ -35,14 +36,15 @@ rule regenerate:
         "logs/regenerate.log",
     benchmark:
         "benchmarks/regenerate.tsv"
+    threads: 2
+    resources:
+        mem_mb=mem_mb("regenerate"),
     params:
         settings=regenerate_settings(),
         model=target_dir(),
         trust_remote_code=config["target"]["trust_remote_code"],
         # not an output: Snakemake would delete it before a rerun, and it is what makes resuming work
         progress=str(RESULTS / "corpus" / "regenerated.progress.jsonl"),
-    threads: 2
-    resources:
-        mem_mb=mem_mb("regenerate"),
+        code=stage_code("regenerate"),
     script:
         "../scripts/regenerate.py"

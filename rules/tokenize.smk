@@ -4,7 +4,7 @@
 rule tokenize:
     input:
         corpus=corpus_for_tokenize(),
-        target=rules.prepare_target.output.info,
+        target=target_info(),
     output:
         samples="results/tokenize/samples.parquet",
         token_freq="results/tokenize/token_freq.safetensors",
@@ -13,9 +13,11 @@ rule tokenize:
         "logs/tokenize.log",
     benchmark:
         "benchmarks/tokenize.tsv"
+    threads: 1
+    resources:
+        mem_mb=mem_mb("tokenize"),
     params:
         code=stage_code("tokenize"),
-        target_dir=target_dir(),
         trust_remote_code=config["target"].get("trust_remote_code", False),
         max_length=config["tokenize"].get("max_length", 2048),
         long_samples=config["tokenize"].get("long_samples", "truncate"),
@@ -24,9 +26,6 @@ rule tokenize:
         split_seed=config["split"].get("seed", 0),
         val_fraction=config["split"].get("val_fraction", 0.05),
         test_fraction=config["split"].get("test_fraction", 0.0),
-    threads: 1
-    resources:
-        mem_mb=mem_mb("tokenize"),
     script:
         "../scripts/tokenize.py"
 
@@ -43,14 +42,14 @@ rule split:
         "logs/split.log",
     benchmark:
         "benchmarks/split.tsv"
+    threads: 1
+    resources:
+        mem_mb=mem_mb("split"),
     params:
         code=stage_code("split"),
         seed=config["split"].get("seed", 0),
         val_fraction=config["split"].get("val_fraction", 0.05),
         test_fraction=config["split"].get("test_fraction", 0.0),
-    threads: 1
-    resources:
-        mem_mb=mem_mb("split"),
     script:
         "../scripts/split.py"
 
@@ -67,11 +66,11 @@ rule shard:
         "logs/shard.log",
     benchmark:
         "benchmarks/shard.tsv"
-    params:
-        code=stage_code("shard"),
-        num_shards={split: num_shards(split) for split in SPLITS_EXTRACTED},
     threads: 1
     resources:
         mem_mb=mem_mb("shard"),
+    params:
+        code=stage_code("shard"),
+        num_shards={split: num_shards(split) for split in SPLITS_EXTRACTED},
     script:
         "../scripts/shard.py"

@@ -28,7 +28,8 @@ table = run_benchmark(
     engine={
         "max_model_len": settings["max_model_len"],
         "max_num_seqs": settings["max_num_seqs"],
-        "gpu_memory_utilization": settings["gpu_memory_utilization"],
+        "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
+        "kv_cache_memory_bytes": settings.get("kv_cache_memory_bytes"),
         "dtype": snakemake.params.dtype,
         "seed": settings.get("seed", 0),
         "trust_remote_code": snakemake.params.trust_remote_code,

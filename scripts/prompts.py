@@ -15,4 +15,6 @@ prompts = load_prompts(
     max_turns=snakemake.params.max_turns,
 )
 write_prompts(prompts, snakemake.output[0])
-log.info("%s: %d prompts, %d turns", entry["name"], len(prompts), sum(len(p["turns"]) for p in prompts))
+log.info(
+    "%s: %d prompts, %d turns", entry["name"], len(prompts), sum(len(p["turns"]) for p in prompts)
+)

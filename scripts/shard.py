@@ -13,4 +13,9 @@ manifest = shard_splits(
     manifest_path=output.manifest,
 )
 for split, entry in manifest["splits"].items():
-    log.info("%s: %d shards, max/min tokens %.3f", split, entry["num_shards"], entry["max_min_token_ratio"])
+    log.info(
+        "%s: %d shards, max/min tokens %.3f",
+        split,
+        entry["num_shards"],
+        entry["max_min_token_ratio"],
+    )

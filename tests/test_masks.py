@@ -62,6 +62,11 @@ CONVERSATIONS = {
         {"role": "user", "content": "Thanks"},
         {"role": "assistant", "content": "assistant"},
     ],
+    "assistant_first": [
+        {"role": "assistant", "content": "Hi, I start."},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "Bye"},
+    ],
     "multi_turn_no_system": [
         {"role": "user", "content": "One?"},
         {"role": "assistant", "content": "1"},
@@ -93,7 +98,9 @@ def build_local_tokenizer(specials: list[str], template: str, bos: str | None, e
 
 @pytest.fixture(scope="module")
 def llama3_tokenizer():
-    return build_local_tokenizer(LLAMA3_SPECIALS, LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>")
+    return build_local_tokenizer(
+        LLAMA3_SPECIALS, LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +194,25 @@ def test_non_prefix_stable_template_falls_back_to_search(think_tokenizer, name):
     assert "<think>" not in text
 
 
+def test_cut_encoding_equals_full_encoding_cut(smollm2_tokenizer):
+    """Long texts are tokenized only up to a prefix: the first tokens must not change."""
+    words = [f"word{i % 97} {'é' * (i % 3)}, (x={i})." for i in range(800)]
+    messages = [
+        {"role": "user", "content": " ".join(words[:200])},
+        {"role": "assistant", "content": "\n".join(words[200:500])},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "  ".join(words[500:])},
+    ]
+    masker = ChatTemplateMasker(smollm2_tokenizer)
+    whole = masker.encode(messages)
+    assert len(whole.input_ids) > 3000
+    for limit in (16, 100, 700, 2000, len(whole.input_ids), len(whole.input_ids) + 5):
+        cut = masker.encode(messages, max_tokens=limit)
+        assert cut.truncated == (len(whole.input_ids) > limit)
+        assert cut.input_ids == whole.input_ids[:limit]
+        assert cut.loss_mask == whole.loss_mask[:limit]
+
+
 def test_mask_from_spans_overlap_rules():
     offsets = [(0, 3), (3, 5), (5, 5), (5, 9), (9, 12)]
     assert mask_from_spans(offsets, [(4, 9)]) == [0, 1, 1, 1, 0]
@@ -265,7 +291,9 @@ def test_tokenize_corpus_writes_contract_files(tmp_path, corpus, llama3_target, 
     assert table.column_names == ["id", "input_ids", "loss_mask", "num_tokens", "num_masked"]
     assert table.schema.field("input_ids").type.value_type == pa.int32()
     assert table.schema.field("loss_mask").type.value_type == pa.int8()
-    assert table.schema.field("num_tokens").type == table.schema.field("num_masked").type == pa.int32()
+    assert (
+        table.schema.field("num_tokens").type == table.schema.field("num_masked").type == pa.int32()
+    )
     assert summary["samples"] == table.num_rows == 41
     assert summary["skipped_no_assistant"] == 1
     rows = table.to_pylist()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,7 +56,15 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: Path):
-    return make_engine(smollm2_dir, max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.02)
+    engine = make_engine(
+        smollm2_dir,
+        max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=0.05,
+        kv_cache_memory_bytes=64 << 20,  # ~2800 tokens of SmolLM2 KV cache: plenty here
+    )
+    yield engine
+    # Stop the engine process now, while pytest's log capture is still open.
+    engine.llm_engine.engine_core.shutdown()
 
 
 def run(llm, tmp_path: Path, settings: RegenerateSettings = SETTINGS, **kwargs) -> dict:
@@ -97,7 +109,10 @@ def test_planned_messages_stop_at_the_last_answer_to_regenerate() -> None:
         "What is 2+2?",
         "OLD ANSWER 2",
     ]
-    assert [m["content"] for m in planned_messages(messages, 1)] == ["Hi! Who are you?", "OLD ANSWER 1"]
+    assert [m["content"] for m in planned_messages(messages, 1)] == [
+        "Hi! Who are you?",
+        "OLD ANSWER 1",
+    ]
     assert planned_messages([{"role": "user", "content": "q"}], None) == []
 
 
@@ -181,3 +196,52 @@ def test_resume_after_crash_skips_finished_conversations(llm, tmp_path: Path) ->
     summary = run(llm, tmp_path, run_fingerprint="fp-2")
     assert summary["resumed"] == 0
     assert read_output(tmp_path)["test-a"]["messages"][1]["content"] != "SAVED BEFORE THE CRASH"
+
+
+# ------------------------------------------------------------------ the real rule
+
+
+@pytest.mark.vllm
+@pytest.mark.workflow
+def test_regenerate_rule_runs_in_snakemake(
+    tmp_path: Path, repo_root: Path, smollm2_dir: Path
+) -> None:
+    import yaml
+
+    workdir = tmp_path / "work"
+    # The prepared target, hard-linked (cheap, and the cache is safe if Snakemake replaces it).
+    shutil.copytree(smollm2_dir, workdir / "resources" / "target", copy_function=os.link)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    config["corpus"].update(sources=[{"name": "tiny", "path": str(corpus)}], max_conversations=None)
+    config["corpus"]["regenerate"].update(
+        enabled=True,
+        max_tokens=8,
+        max_model_len=MAX_MODEL_LEN,
+        batch_size=2,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(json.dumps(config))
+    command = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "--snakefile", str(repo_root / "Snakefile"),
+        "--directory", str(workdir),
+        "--configfile", str(config_path),
+        "--cores", "2",
+        "results/corpus/regenerated.jsonl",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "prepare_target" not in result.stderr  # the prepared target was used as it is
+    lines = (workdir / "results/corpus/regenerated.jsonl").read_text().splitlines()
+    regenerated = [json.loads(line) for line in lines]
+    # ingest gives ids of its own; the long conversation is dropped by regenerate
+    assert len(regenerated) == 3
+    assert not any(m["content"].startswith("OLD") for c in regenerated for m in c["messages"])
+    summary = json.loads((workdir / "results/corpus/regenerated.summary.json").read_text())
+    assert summary["dropped"]["prompt_too_long"] == 1
+    assert not (workdir / "results/corpus/regenerated.progress.jsonl").exists()
+    assert "regenerate: kept 3 of 4" in (workdir / "logs/regenerate.log").read_text()

@@ -206,12 +206,23 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
     write_metrics(metrics)
     paths = report_paths(tmp_path / "results")
     build_report(
-        [bench_csv, other_csv], metrics, run_dirs["target"], run_dirs["draft"], run_dirs["extract"],
+        [bench_csv, other_csv],
+        metrics,
+        run_dirs["target"],
+        run_dirs["draft"],
+        run_dirs["extract"],
         paths,
     )
     summary = pd.read_csv(paths.summary)
-    required = ["dataset", "k", "acceptance_length", "acceptance_rate", "tokens_per_s", "speedup",
-                "outputs_identical"]
+    required = [
+        "dataset",
+        "k",
+        "acceptance_length",
+        "acceptance_rate",
+        "tokens_per_s",
+        "speedup",
+        "outputs_identical",
+    ]
     assert set(required) <= set(summary.columns)
     assert len(summary) == 5
     markdown = Path(paths.markdown).read_text()
@@ -223,8 +234,13 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
     assert "| mtbench | 0 | 3 | 2.80 | 1.50 | True |" in markdown
     assert "humaneval k=2: 1 request(s)" in markdown  # differing outputs are reported
     assert "## Where the time goes" in markdown
-    for name in ["acceptance_length", "acceptance_per_pos", "speedup", "train_loss",
-                 "train_accuracy"]:
+    for name in [
+        "acceptance_length",
+        "acceptance_per_pos",
+        "speedup",
+        "train_loss",
+        "train_accuracy",
+    ]:
         png = Path(getattr(paths, name))
         assert png.read_bytes()[:8] == PNG_SIGNATURE, name
         assert png.stat().st_size > 5000, name  # axes, lines and labels, not an empty canvas
@@ -233,7 +249,11 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
 def test_build_report_tolerates_missing_training_records(tmp_path, bench_csv, run_dirs):
     paths = report_paths(tmp_path / "results")
     build_report(
-        [bench_csv], tmp_path / "absent.jsonl", run_dirs["target"], tmp_path / "no-draft", [],
+        [bench_csv],
+        tmp_path / "absent.jsonl",
+        run_dirs["target"],
+        tmp_path / "no-draft",
+        [],
         paths,
     )
     markdown = Path(paths.markdown).read_text()

@@ -80,6 +80,8 @@ def test_shard_splits_writes_shards_and_manifest(tmp_path):
 def test_too_few_samples_for_the_shards_is_a_clear_error(tmp_path):
     write_split(tmp_path / "val.parquet", [10, 20], "v")
     outputs = {"val": [tmp_path / f"shard-{i:05d}.parquet" for i in range(3)]}
-    with pytest.raises(ValueError, match=r"split 'val' has 2 samples but extract.num_shards.val = 3"):
+    with pytest.raises(
+        ValueError, match=r"split 'val' has 2 samples but extract.num_shards.val = 3"
+    ):
         shard_splits({"val": tmp_path / "val.parquet"}, outputs, tmp_path / "manifest.json")
     assert not (tmp_path / "manifest.json").exists()

@@ -46,9 +46,9 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 def test_dry_run_of_the_demo_dag_includes_the_data_stages(tmp_path):
     workdir = copy_workflow(tmp_path / "wf")
     out = snakemake(workdir, "-n", "--quiet", "rules")
-    listed = out.stdout + out.stderr
-    for rule in ("tokenize", "split", "shard"):
-        assert rule in listed
+    jobs = set((out.stdout + out.stderr).split())
+    # The demo regenerates answers with the target, so tokenize reads regenerate's output.
+    assert {"ingest", "regenerate", "prepare_target", "tokenize", "split", "shard"} <= jobs
 
 
 TINY_TOPICS = ["rivers", "prime numbers", "bread", "owls", "tides", "chess", "glass", "maps"]
@@ -61,7 +61,10 @@ def write_tiny_corpus(path: Path, count: int = 30) -> None:
         topic = TINY_TOPICS[index % len(TINY_TOPICS)]
         turns = [
             {"from": "human", "value": f"Tell me one fact about {topic} (#{index})."},
-            {"from": "gpt", "value": f"Here is a fact about {topic}: it is interesting. " * (1 + index % 4)},
+            {
+                "from": "gpt",
+                "value": f"Here is a fact about {topic}: it is interesting. " * (1 + index % 4),
+            },
         ]
         if index % 2:
             turns += [
@@ -113,18 +116,30 @@ def test_ingest_tokenize_split_shard_run_for_real(tmp_path, smollm2_dir):
             assert table.num_rows == shard["samples"]
             assert max(table["num_tokens"].to_pylist()) <= 96
 
-    # The masks that reach the shards are the assistant's words and <|im_end|>.
+    # The masks that reach the shards are the assistant's words, each followed by <|im_end|>.
     tokenizer = AutoTokenizer.from_pretrained(workdir / "resources" / "target")
-    row = pq.read_table(results / "tokenize" / "samples.parquet").to_pylist()[0]
-    masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    text = tokenizer.decode(masked, clean_up_tokenization_spaces=False)
-    assert text.startswith("Here is a fact about rivers") and text.endswith("<|im_end|>")
-    assert "<|im_start|>" not in text and "user" not in text
+    conversations = {
+        record["id"]: record
+        for record in map(
+            json.loads, (results / "corpus" / "ingested.jsonl").read_text().splitlines()
+        )
+    }
+    for row in pq.read_table(results / "tokenize" / "samples.parquet").to_pylist():
+        masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+        text = tokenizer.decode(masked, clean_up_tokenization_spaces=False)
+        messages = conversations[row["id"]]["messages"]
+        expected = "".join(
+            m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"
+        )
+        if row["num_tokens"] < 96:
+            assert text == expected
+        else:  # truncated: a prefix of the assistant text survives
+            assert expected.startswith(text) and text
 
     # Complete: nothing reruns. A split setting reruns tokenize (train counts), split and shard.
     assert "Nothing to be done" in snakemake(workdir, "-n", target).stdout
     config["split"]["val_fraction"] = 0.4
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-    plan = snakemake(workdir, "-n", "--quiet", "rules", target).stdout
+    plan = snakemake(workdir, target, "-n", "--quiet", "rules").stdout
     assert {"tokenize", "split", "shard"} <= set(plan.split())
     assert "ingest" not in plan.split()

@@ -33,14 +33,22 @@ def engine_kwargs(
     *,
     max_model_len: int,
     max_num_seqs: int,
-    gpu_memory_utilization: float,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_memory_bytes: int | None = None,
     dtype: str = "bfloat16",
     seed: int = 0,
     enforce_eager: bool = True,
     trust_remote_code: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM``: identical for every k except the speculative config."""
+    """Keyword arguments for ``vllm.LLM``: identical for every k except the speculative config.
+
+    On the CPU ``gpu_memory_utilization`` is the share of RAM for the whole engine process
+    (weights included), so on a shared machine a fixed ``kv_cache_memory_bytes`` is steadier;
+    when given it wins.
+    """
+    if kv_cache_memory_bytes is None and gpu_memory_utilization is None:
+        raise ValueError("set kv_cache_memory_bytes or gpu_memory_utilization for the KV cache")
     if k < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0 (0 = plain target), got {k}")
     if k > 0 and not draft:
@@ -51,7 +59,6 @@ def engine_kwargs(
         "dtype": dtype,
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
-        "gpu_memory_utilization": gpu_memory_utilization,
         "enforce_eager": enforce_eager,
         "seed": seed,
         "trust_remote_code": trust_remote_code,
@@ -59,6 +66,10 @@ def engine_kwargs(
         "disable_log_stats": False,
         **(extra or {}),
     }
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if k > 0:
         kwargs["speculative_config"] = {
             "method": "eagle3",

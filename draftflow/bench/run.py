@@ -184,8 +184,12 @@ def run_benchmark(
                 continue
             differences = compare_runs(reference, _token_ids(run))
             for difference in differences:
-                log.warning("k=%d run %d differs from the plain target at %s", k, run["run"],
-                            difference.describe())
+                log.warning(
+                    "k=%d run %d differs from the plain target at %s",
+                    k,
+                    run["run"],
+                    difference.describe(),
+                )
             identical.append(not differences)
             differ.append(len(differences))
             first.append(differences[0].describe() if differences else "none")
@@ -205,6 +209,11 @@ def write_outputs(path: str | Path, dataset: str, results: dict[int, dict[str, A
         for k, result in results.items():
             for run in result["runs"]:
                 for prompt_id, turns in run["responses"].items():
-                    record = {"dataset": dataset, "k": k, "run": run["run"], "id": prompt_id,
-                              "turns": turns}
+                    record = {
+                        "dataset": dataset,
+                        "k": k,
+                        "run": run["run"],
+                        "id": prompt_id,
+                        "turns": turns,
+                    }
                     handle.write(json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n")

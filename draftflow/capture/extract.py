@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from draftflow.capture.backends import (
+    CaptureBackend,
     EngineSettings,
     installed_vllm_version,
     make_backend,
@@ -55,6 +56,8 @@ class ExtractSettings:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.1
+    kv_cache_memory_bytes: int | None = None
+    engine_args: dict = field(default_factory=dict)
     chunk_samples: int = 64
     hf_dtype: str = "bfloat16"
     device: str = "cpu"
@@ -70,10 +73,12 @@ class ExtractSettings:
             "max_num_batched_tokens",
             "max_num_seqs",
             "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "engine_args",
             "chunk_samples",
             "hf_dtype",
         }
-        values = {key: section[key] for key in known if key in section}
+        values = {key: section[key] for key in known if section.get(key) is not None}
         verify = VerifySettings(**(section.get("verify") or {}))
         device = "cuda" if section.get("use_gpu", False) else "cpu"
         return cls(**values, device=device, verify=verify, trust_remote_code=trust_remote_code)
@@ -100,20 +105,29 @@ def run_extract(
     model_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     settings: ExtractSettings,
+    backend: CaptureBackend | None = None,
 ) -> dict:
-    """Capture, verify and publish one shard; returns its manifest."""
+    """Capture, verify and publish one shard; returns its manifest.
+
+    ``backend``: an already started backend to use (and leave open), e.g. one engine shared by
+    several shards in a benchmark or a test session; by default one is started and closed here.
+    """
     shard_path, out_dir = Path(shard_path), Path(out_dir)
     table = read_samples(shard_path)
     ids: list[str] = table.column("id").to_pylist()
     input_ids: list[list[int]] = table.column("input_ids").to_pylist()
     loss_masks: list[list[int]] = table.column("loss_mask").to_pylist()
     layers = capture_layers(model_dir, settings.aux_layers)
-    backend_name = resolve_backend(settings.backend)
+    backend_name = backend.name if backend is not None else resolve_backend(settings.backend)
+    if backend is not None:
+        vllm_version = backend.vllm_version
+    else:
+        vllm_version = installed_vllm_version() if backend_name != "hf" else None
     meta = {
         "model": str(model_dir),
         "model_revision": model_revision(model_dir),
         "backend": backend_name,
-        "vllm_version": installed_vllm_version() if backend_name != "hf" else None,
+        "vllm_version": vllm_version,
         "input": shard_path.name,
         "input_sha256": sha256_file(shard_path),
     }
@@ -124,6 +138,8 @@ def run_extract(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        engine_args=dict(settings.engine_args),
         trust_remote_code=settings.trust_remote_code,
         hf_dtype=settings.hf_dtype,
         device=settings.device,
@@ -148,8 +164,14 @@ def run_extract(
         start,
     )
     if start < len(ids):
-        _capture_all(writer, backend_name, model_dir, layers.layer_ids, engine, start, ids,
-                     input_ids, loss_masks, settings.chunk_samples)
+        own_backend = backend is None
+        if own_backend:
+            backend = make_backend(backend_name, model_dir, layers.layer_ids, engine)
+        try:
+            _capture_all(writer, backend, start, ids, input_ids, loss_masks, settings.chunk_samples)
+        finally:
+            if own_backend:
+                backend.close()
     manifest = writer.close()
 
     verify = settings.verify
@@ -181,21 +203,15 @@ def run_extract(
 
 def _capture_all(
     writer: ShardWriter,
-    backend_name: str,
-    model_dir: str | os.PathLike[str],
-    layer_ids: list[int],
-    engine: EngineSettings,
+    backend: CaptureBackend,
     start: int,
     ids: list[str],
     input_ids: list[list[int]],
     loss_masks: list[list[int]],
     chunk_samples: int,
 ) -> None:
-    backend = make_backend(backend_name, model_dir, layer_ids, engine)
     total_tokens = sum(len(x) for x in input_ids[start:])
-    progress = tqdm(
-        total=len(ids) - start, desc="extract", unit="sample", mininterval=5
-    )
+    progress = tqdm(total=len(ids) - start, desc="extract", unit="sample", mininterval=5)
     began, done_tokens = time.monotonic(), 0
     try:
         # start is a chunk boundary: the store keeps only complete chunks.
@@ -223,4 +239,3 @@ def _capture_all(
             )
     finally:
         progress.close()
-        backend.close()

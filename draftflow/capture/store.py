@@ -110,11 +110,11 @@ class ShardWriter:
         keep = True
         for expected_index, path in enumerate(existing):
             entries = self._read_chunk_entries(path) if keep else None
-            if keep and path.name == chunk_name(expected_index) and entries is not None:
-                if len(entries) == self.chunk_samples:
-                    self._chunks.append(entries)
-                    self._seen.update(sample_id for sample_id, _, _ in entries)
-                    continue
+            complete = entries is not None and len(entries) == self.chunk_samples
+            if keep and complete and path.name == chunk_name(expected_index):
+                self._chunks.append(entries)
+                self._seen.update(sample_id for sample_id, _, _ in entries)
+                continue
             # A gap, a short (last) chunk or a foreign chunk ends the kept prefix: its
             # samples are captured again, which rewrites the same bytes.
             keep = False

@@ -88,7 +88,9 @@ class HiddenStateCaptureExtension:
         positions, _, _ = self._df_adapter.layer_inputs(args, kwargs)
         step.layout = self._df_adapter.batch_layout(self.model_runner, step.scheduler_output)
         num_tokens = sum(count for _, count in step.layout)
-        step.positions = positions[:num_tokens].to("cpu", torch.int64)
+        # copy=True: on the CPU .to() would return a view of the runner's persistent buffer,
+        # which the next step overwrites.
+        step.positions = positions[:num_tokens].to("cpu", torch.int64, copy=True)
 
     def _df_layer_hook(self, layer_id: int):
         def hook(module: Any, args: tuple, kwargs: dict) -> None:

@@ -124,12 +124,18 @@ def parse_record(record: Any, fmt: Format) -> tuple[str | None, str, list[Messag
                 f"{where}.{content_field} is a {type(content).__name__}, not a string",
             )
         if not is_encodable(content):
-            raise BadRecord(BAD_UTF8, f"{where}.{content_field} has a lone surrogate (\\ud800-\\udfff)")
+            raise BadRecord(
+                BAD_UTF8, f"{where}.{content_field} has a lone surrogate (\\ud800-\\udfff)"
+            )
         messages.append({"role": role, "content": content})
 
     source_id = record.get("id")
-    if source_id is not None and (isinstance(source_id, bool) or not isinstance(source_id, str | int)):
-        raise BadRecord(WRONG_TYPE, f"'id' is a {type(source_id).__name__}, not a string or integer")
+    if source_id is not None and (
+        isinstance(source_id, bool) or not isinstance(source_id, str | int)
+    ):
+        raise BadRecord(
+            WRONG_TYPE, f"'id' is a {type(source_id).__name__}, not a string or integer"
+        )
     if isinstance(source_id, str) and not is_encodable(source_id):
         raise BadRecord(BAD_UTF8, "'id' has a lone surrogate")
     return (None if source_id is None else str(source_id)), layout, messages

@@ -120,7 +120,9 @@ def ingest(
 ) -> dict[str, Any]:
     """Run the ingest stage; write output, rejects and summary; return the summary."""
     if on_bad_record not in ON_BAD_RECORD:
-        raise ValueError(f"on_bad_record {on_bad_record!r} is not one of {', '.join(ON_BAD_RECORD)}")
+        raise ValueError(
+            f"on_bad_record {on_bad_record!r} is not one of {', '.join(ON_BAD_RECORD)}"
+        )
     if max_conversations is not None and max_conversations < 1:
         raise ValueError(f"max_conversations must be >= 1 or null, got {max_conversations!r}")
     source_list = [s if isinstance(s, Source) else Source.from_config(s) for s in sources]
@@ -194,7 +196,9 @@ def _read_sources(
                     tally.dropped[bad.reason] += 1
                     continue
                 tally.layouts[layout] += 1
-                reason, conversation = _judge(source.name, source_id, messages, seen_content, seen_ids)
+                reason, conversation = _judge(
+                    source.name, source_id, messages, seen_content, seen_ids
+                )
                 if reason is not None:
                     tally.dropped[reason] += 1
                     continue

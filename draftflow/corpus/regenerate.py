@@ -69,10 +69,19 @@ def make_engine(
     gpu_memory_utilization: float,
     trust_remote_code: bool = False,
     seed: int = 0,
+    kv_cache_memory_bytes: int | None = None,
 ) -> Any:
-    """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn)."""
+    """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn).
+
+    On vLLM's CPU build ``gpu_memory_utilization`` is a share of RAM that must hold the worker
+    itself (about 1.2 GiB for SmolLM2) plus the KV cache; ``kv_cache_memory_bytes`` sets the KV
+    cache size exactly instead (tests use it to stay small).
+    """
     from vllm import LLM
 
+    extra = (
+        {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+    )
     return LLM(
         model=str(model_dir),
         max_model_len=max_model_len,
@@ -80,6 +89,7 @@ def make_engine(
         enforce_eager=True,  # no graph capture: faster start, same outputs
         trust_remote_code=trust_remote_code,
         seed=seed,
+        **extra,
     )
 
 
@@ -258,7 +268,9 @@ def load_progress(path: str | os.PathLike[str], expected_fingerprint: str) -> di
         except json.JSONDecodeError:
             header = None
         if not isinstance(header, dict) or header.get("fingerprint") != expected_fingerprint:
-            log.warning("regenerate: %s was written for other inputs or settings; starting over", path)
+            log.warning(
+                "regenerate: %s was written for other inputs or settings; starting over", path
+            )
             path.unlink()
             return {}
         good_bytes = len(header_line)
@@ -374,7 +386,10 @@ def _write_outputs(
     result = {
         "conversations_in": len(conversations),
         "kept": kept,
-        "dropped": {PROMPT_TOO_LONG: outcomes[PROMPT_TOO_LONG], EMPTY_ANSWER: outcomes[EMPTY_ANSWER]},
+        "dropped": {
+            PROMPT_TOO_LONG: outcomes[PROMPT_TOO_LONG],
+            EMPTY_ANSWER: outcomes[EMPTY_ANSWER],
+        },
         "outcomes": {outcome: outcomes[outcome] for outcome in OUTCOMES},
         "answers_generated": answers,
         "generated_tokens": generated_tokens,

@@ -105,7 +105,9 @@ def _iter_jsonl(stream: IO[bytes], counter: _ByteCounter) -> Iterator[RawRecord]
         if line_number % 1000 == 0:
             counter.tick()
         if _ESCAPED_BYTE.search(text):
-            yield RawRecord(line_number, index, error=(BAD_UTF8, "invalid UTF-8 bytes"), snippet=_snippet(text))
+            yield RawRecord(
+                line_number, index, error=(BAD_UTF8, "invalid UTF-8 bytes"), snippet=_snippet(text)
+            )
         else:
             try:
                 yield RawRecord(line_number, index, value=json.loads(text))
@@ -175,7 +177,9 @@ def _iter_array(stream: IO[bytes], counter: _ByteCounter) -> Iterator[RawRecord]
             trailing = reader.skip_blank()
             if trailing:
                 yield RawRecord(
-                    reader.line, index, error=(INVALID_JSON, "data after the closing ']'"),
+                    reader.line,
+                    index,
+                    error=(INVALID_JSON, "data after the closing ']'"),
                     snippet=_snippet(reader.buffer[reader.pos :]),
                 )
             return
@@ -197,7 +201,9 @@ def _iter_array(stream: IO[bytes], counter: _ByteCounter) -> Iterator[RawRecord]
 
 def _array_error(reader: _ArrayReader, index: int, detail: str) -> RawRecord:
     return RawRecord(
-        reader.line, index, error=(INVALID_JSON, f"{detail}; rest of the file skipped"),
+        reader.line,
+        index,
+        error=(INVALID_JSON, f"{detail}; rest of the file skipped"),
         snippet=_snippet(reader.buffer[reader.pos :]),
     )
 
@@ -220,5 +226,7 @@ def _decode_element(reader: _ArrayReader, index: int) -> RawRecord:
         line = reader.line
         reader.advance(end)
         if _ESCAPED_BYTE.search(text):
-            return RawRecord(line, index, error=(BAD_UTF8, "invalid UTF-8 bytes"), snippet=_snippet(text))
+            return RawRecord(
+                line, index, error=(BAD_UTF8, "invalid UTF-8 bytes"), snippet=_snippet(text)
+            )
         return RawRecord(line, index, value=value)

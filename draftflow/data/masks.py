@@ -20,10 +20,19 @@ class ChatTemplateError(ValueError):
     """The template's rendering does not contain a message where it should."""
 
 
+# Tokens beyond a cut that must exist before the tokens up to a limit are trusted: only the last
+# pre-tokenizer word before a cut can tokenize differently from the whole text.
+CUT_MARGIN_TOKENS = 32
+# First guess of characters per token when cutting long texts (English BPE averages about 4).
+CUT_CHARS_PER_TOKEN = 8
+
+
 @dataclass(frozen=True)
 class MaskedTokens:
     input_ids: list[int]
     loss_mask: list[int]
+    # True when the conversation had more tokens than the limit and was cut to it
+    truncated: bool = False
 
     @property
     def num_masked(self) -> int:
@@ -101,8 +110,10 @@ class ChatTemplateMasker:
         Find the assistant header (what the generation prompt adds) after the previous turn,
         then the content after it, then this turn's end-of-turn marker.
         """
-        previous = self.render(messages[:index]) if index else ""
-        header = self.render(messages[:index], add_generation_prompt=True)[len(previous) :]
+        header = ""
+        if index:  # transformers refuses to render an empty conversation
+            previous = self.render(messages[:index])
+            header = self.render(messages[:index], add_generation_prompt=True)[len(previous) :]
         header_at = full.find(header, cursor) if header else -1
         search_from = cursor if header_at == -1 else header_at + len(header)
         start, end = locate_content(full, messages[index]["content"], search_from)
@@ -111,13 +122,35 @@ class ChatTemplateMasker:
             end += len(end_of_turn)
         return start, end
 
-    def encode(self, messages: Sequence[Message]) -> MaskedTokens:
-        """Tokenize the rendered conversation; mask the tokens that overlap assistant spans."""
+    def encode(self, messages: Sequence[Message], max_tokens: int | None = None) -> MaskedTokens:
+        """Tokenize the rendered conversation; mask the tokens that overlap assistant spans.
+
+        With ``max_tokens`` the result is cut to that many tokens (``truncated`` says whether it
+        was). Long conversations are then tokenized only as far as needed: a prefix of the text,
+        doubled until it yields ``max_tokens`` plus a margin, gives the same first tokens.
+        """
         full, spans = self.assistant_spans(messages)
-        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        if max_tokens is not None:
+            cut = max_tokens * CUT_CHARS_PER_TOKEN
+            while cut < len(full):
+                encoding = self._tokenize(full[:cut])
+                if len(encoding["input_ids"]) > max_tokens + CUT_MARGIN_TOKENS:
+                    break
+                cut *= 2
+            else:
+                encoding = self._tokenize(full)
+        else:
+            encoding = self._tokenize(full)
         input_ids = list(encoding["input_ids"])
-        offsets = encoding["offset_mapping"]
-        return MaskedTokens(input_ids=input_ids, loss_mask=mask_from_spans(offsets, spans))
+        loss_mask = mask_from_spans(encoding["offset_mapping"], spans)
+        truncated = max_tokens is not None and len(input_ids) > max_tokens
+        if truncated:
+            input_ids, loss_mask = input_ids[:max_tokens], loss_mask[:max_tokens]
+        return MaskedTokens(input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)
+
+    def _tokenize(self, text: str) -> Any:
+        # add_special_tokens=False: the template writes BOS itself, as apply_chat_template does.
+        return self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
 
 
 def mask_from_spans(
@@ -129,15 +162,19 @@ def mask_from_spans(
     word) is kept: the draft has to predict it. Zero-width tokens count by their position.
     """
     mask = [0] * len(offsets)
+    spans = sorted(spans)
+    current = 0  # tokens and spans both advance left to right: one pass over each
     for token, (start, end) in enumerate(offsets):
-        for span_start, span_end in spans:
-            if end > start:
-                inside = start < span_end and end > span_start
-            else:
-                inside = span_start <= start < span_end
-            if inside:
-                mask[token] = 1
-                break
+        while current < len(spans) and spans[current][1] <= start:
+            current += 1
+        if current == len(spans):
+            break
+        span_start, span_end = spans[current]
+        if end > start:
+            inside = start < span_end and end > span_start
+        else:
+            inside = span_start <= start < span_end
+        mask[token] = int(inside)
     return mask
 
 

@@ -32,10 +32,8 @@ def split_point(conversation_id: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def assign_split(
-    conversation_id: str, seed: int, val_fraction: float, test_fraction: float
-) -> str:
-    """"train", "val" or "test" for one conversation; depends only on its id and the seed.
+def assign_split(conversation_id: str, seed: int, val_fraction: float, test_fraction: float) -> str:
+    """Return "train", "val" or "test" for one conversation: a function of its id and seed.
 
     Test takes the lowest hash values, val the next ones, so adding data never moves a
     conversation, and growing a fraction only moves conversations into that split.

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from draftflow.data.masks import ChatTemplateError, ChatTemplateMasker, Message
-from draftflow.data.samples import samples_table, sample_writer
+from draftflow.data.samples import sample_writer, samples_table
 from draftflow.data.split import assign_split
 from draftflow.io import atomic_path, atomic_write_json
 
@@ -135,20 +135,18 @@ def tokenize_corpus(
                 counts["skipped_no_assistant"] += 1
                 continue
             try:
-                encoded = masker.encode(messages)
+                encoded = masker.encode(messages, max_tokens=settings.max_length)
             except (ChatTemplateError, jinja2.TemplateError) as error:
                 # Templates may refuse a role order (e.g. two user turns); count, don't crash.
                 counts["skipped_template_error"] += 1
                 log.warning("skipping %s: %s", record["id"], error)
                 continue
-            input_ids, loss_mask = encoded.input_ids, encoded.loss_mask
-            if len(input_ids) > settings.max_length:
+            if encoded.truncated:
                 if settings.long_samples == "drop":
                     counts["dropped_long"] += 1
                     continue
                 counts["truncated"] += 1
-                input_ids = input_ids[: settings.max_length]
-                loss_mask = loss_mask[: settings.max_length]
+            input_ids, loss_mask = encoded.input_ids, encoded.loss_mask
             if not any(loss_mask):
                 counts["skipped_no_masked_tokens"] += 1
                 continue

@@ -99,7 +99,9 @@ def render_markdown(
 ) -> str:
     lines = ["# draftflow summary", "", f"- Target: {target}", f"- Draft: {draft}"]
     if sizes:
-        parts = [f"{split} {v['samples']} samples / {v['tokens']} tokens" for split, v in sizes.items()]
+        parts = [
+            f"{split} {v['samples']} samples / {v['tokens']} tokens" for split, v in sizes.items()
+        ]
         lines.append("- Training data: " + ", ".join(parts))
     else:
         lines.append("- Training data: unknown")
@@ -129,18 +131,32 @@ def render_markdown(
             )
 
     lines += ["", "## All configurations", ""]
-    columns = ["dataset", "k", "acceptance_length", "acceptance_rate", "tokens_per_s", "tpot_ms",
-               "speedup", "outputs_identical", "num_requests_differ"]
+    columns = [
+        "dataset",
+        "k",
+        "acceptance_length",
+        "acceptance_rate",
+        "tokens_per_s",
+        "tpot_ms",
+        "speedup",
+        "outputs_identical",
+        "num_requests_differ",
+    ]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in summary[columns].itertuples(index=False):
         lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
 
     differing = summary[summary["num_requests_differ"] > 0]
     if not differing.empty:
-        lines += ["", "**Outputs differ from the plain target (greedy):** "
-                  + ", ".join(f"{r.dataset} k={r.k}: {r.num_requests_differ} request(s)"
-                              for r in differing.itertuples())
-                  + ". See the bench CSV's `first_difference` column."]
+        lines += [
+            "",
+            "**Outputs differ from the plain target (greedy):** "
+            + ", ".join(
+                f"{r.dataset} k={r.k}: {r.num_requests_differ} request(s)"
+                for r in differing.itertuples()
+            )
+            + ". See the bench CSV's `first_difference` column.",
+        ]
 
     lines += ["", "## Where the time goes", ""]
     explained = where_the_time_goes(summary)

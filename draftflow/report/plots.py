@@ -8,10 +8,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display on the workers
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-from draftflow.io import atomic_path  # noqa: E402
+from draftflow.io import atomic_path
 
 
 def _save(figure: plt.Figure, out: str | Path) -> None:
@@ -31,10 +31,14 @@ def plot_acceptance_length(summary: pd.DataFrame, out: str | Path) -> None:
     spec = summary[summary["k"] > 0]
     for (dataset, temperature), group in spec.groupby(["dataset", "temperature"]):
         group = group.sort_values("k")
-        axes.plot(group["k"], group["acceptance_length"], marker="o", label=_label(dataset, temperature))
+        axes.plot(
+            group["k"], group["acceptance_length"], marker="o", label=_label(dataset, temperature)
+        )
     if not spec.empty:
         ks = sorted(spec["k"].unique())
-        axes.plot(ks, [k + 1 for k in ks], linestyle=":", color="grey", label="every draft accepted")
+        axes.plot(
+            ks, [k + 1 for k in ks], linestyle=":", color="grey", label="every draft accepted"
+        )
         axes.set_xticks(ks)
     axes.set_xlabel("speculative tokens per step (k)")
     axes.set_ylabel("mean acceptance length τ")
@@ -84,7 +88,9 @@ def plot_training(log: pd.DataFrame, loss_out: str | Path, accuracy_out: str | P
     figure, axes = plt.subplots(figsize=(5, 3.5))
     for phase, group in log[log["metric"] == "loss"].groupby("phase"):
         group = group.sort_values("step")
-        axes.plot(group["step"], group["value"], label=phase, marker="." if phase == "eval" else None)
+        axes.plot(
+            group["step"], group["value"], label=phase, marker="." if phase == "eval" else None
+        )
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     if axes.get_legend_handles_labels()[0]:

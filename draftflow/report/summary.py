@@ -70,7 +70,9 @@ def summarise(bench: pd.DataFrame) -> pd.DataFrame:
         draft_tokens = int(group["num_draft_tokens"].sum())
         accepted = int(group["num_accepted_tokens"].sum())
         base = bench[
-            (bench["dataset"] == dataset) & (bench["temperature"] == temperature) & (bench["k"] == 0)
+            (bench["dataset"] == dataset)
+            & (bench["temperature"] == temperature)
+            & (bench["k"] == 0)
         ]
         base_tps = float(base["tokens_per_s"].mean()) if not base.empty else float("nan")
         tps = float(group["tokens_per_s"].mean())

@@ -24,7 +24,7 @@ defaults to Model Runner V2 for some models (no ``input_batch``): the backend tu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from packaging.version import Version
@@ -37,7 +37,7 @@ class V1RunnerAdapter:
     MIN = Version("0.16")
     MAX_EXCLUSIVE = Version("0.33")
     # Environment for the engine: keep the V1 runner where V2 would be the default.
-    ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    ENGINE_ENV: ClassVar[dict[str, str]] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
     @classmethod
     def supports(cls, vllm_version: str) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -44,6 +44,8 @@ class EngineSettings:
     kv_cache_memory_bytes: int | None = None
     trust_remote_code: bool = False
     seed: int = 0
+    # Further vllm.LLM(...) arguments (e.g. block_size, long_prefill_token_threshold).
+    engine_args: dict = field(default_factory=dict)
     # hf backend: compute dtype ("float32" for the reference, "bfloat16") and device.
     hf_dtype: str = "float32"
     device: str = "cpu"

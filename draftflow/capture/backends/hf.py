@@ -26,9 +26,7 @@ class HFBackend:
         from transformers import AutoModelForCausalLM
 
         if settings.hf_dtype not in HF_DTYPES:
-            raise ValueError(
-                f"hf dtype {settings.hf_dtype!r}: allowed are {', '.join(HF_DTYPES)}"
-            )
+            raise ValueError(f"hf dtype {settings.hf_dtype!r}: allowed are {', '.join(HF_DTYPES)}")
         self.layer_ids = list(layer_ids)
         self.device = torch.device(settings.device)
         model = AutoModelForCausalLM.from_pretrained(

@@ -40,7 +40,12 @@ def vllm_engine_kwargs(settings: EngineSettings) -> dict:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-    return kwargs
+    clash = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"} & set(
+        settings.engine_args
+    )
+    if clash:
+        raise ValueError(f"extract.engine_args may not set {sorted(clash)}: capture needs them")
+    return {**kwargs, **settings.engine_args}
 
 
 def match_request_ids(internal_ids: list[str], external_ids: list[str]) -> dict[str, str]:
@@ -54,7 +59,9 @@ def match_request_ids(internal_ids: list[str], external_ids: list[str]) -> dict[
     for internal in internal_ids:
         external = internal if internal in externals else internal.rpartition("-")[0]
         if external not in externals:
-            raise RuntimeError(f"captured request {internal!r} matches none of this call's requests")
+            raise RuntimeError(
+                f"captured request {internal!r} matches none of this call's requests"
+            )
         if external in mapping.values():
             raise RuntimeError(f"request {external!r} was captured under two engine ids")
         mapping[internal] = external
@@ -100,7 +107,9 @@ class HooksBackend:
         reply = replies[0]
         self.last_stats = reply["stats"]
         if reply["incomplete"]:
-            raise RuntimeError(f"capture incomplete (request id: missing positions) {reply['incomplete']}")
+            raise RuntimeError(
+                f"capture incomplete (request id: missing positions) {reply['incomplete']}"
+            )
         mapping = match_request_ids(list(reply["names"]), external_ids)
         by_external = {mapping[internal]: name for internal, name in reply["names"].items()}
         results = []

@@ -1,10 +1,30 @@
-"""vLLM's built-in extractor: speculative method ``extract_hidden_states`` + a KV connector."""
+"""vLLM's built-in extractor (vLLM >= 0.17): speculative method ``extract_hidden_states``.
+
+vLLM stores the states entering the configured layers (same ids as ours: k = the stream after k
+layers, L = the final pre-norm output) in a KV-cache slot, and a KV connector writes one
+safetensors file per request (``hidden_states [T, layers, H]``, ``token_ids [T]``). We use
+``draftflow.capture.adapters.native_connector.SyncHiddenStatesConnector``, which also runs on the
+CPU. The connector needs each prompt in one forward: chunked prefill is off, so
+``max_num_batched_tokens`` is raised to ``max_model_len`` where it is lower.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
 from packaging.version import Version
 
+from draftflow.capture.backends import EngineSettings, installed_vllm_version
+
+log = logging.getLogger(__name__)
+
 NATIVE_MIN_VERSION = "0.17"
+CONNECTOR_MODULE = "draftflow.capture.adapters.native_connector"
+CONNECTOR_CLASS = "SyncHiddenStatesConnector"
 
 
 def native_supports(vllm_version: str) -> bool:
@@ -14,5 +34,79 @@ def native_supports(vllm_version: str) -> bool:
 class NativeBackend:
     name = "native"
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("extract.backend native is not implemented yet: use hooks or hf")
+    def __init__(
+        self, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
+    ) -> None:
+        self.vllm_version = installed_vllm_version()
+        if self.vllm_version is None or not native_supports(self.vllm_version):
+            raise RuntimeError(
+                f"extract.backend native needs vLLM >= {NATIVE_MIN_VERSION}; "
+                f"installed: {self.vllm_version}"
+            )
+        from vllm import LLM
+
+        from draftflow.capture.backends.hooks import vllm_engine_kwargs
+
+        self.layer_ids = list(layer_ids)
+        self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-native-")
+        kwargs = vllm_engine_kwargs(settings)
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(
+            settings.max_num_batched_tokens, settings.max_model_len
+        )
+        self.llm = LLM(
+            model=str(model_dir),
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}
+                },
+            },
+            kv_transfer_config={
+                "kv_connector": CONNECTOR_CLASS,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self._tmp.name},
+            },
+            **kwargs,
+        )
+        self.last_stats: dict = {}
+
+    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for output, ids in zip(outputs, token_ids, strict=True):
+            path = (output.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None or not Path(path).exists():
+                raise RuntimeError(f"request {output.request_id}: the connector wrote no states")
+            data = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            if data["token_ids"].tolist() != list(ids):
+                raise RuntimeError(f"request {output.request_id}: token ids differ from the prompt")
+            states = data["hidden_states"]
+            if tuple(states.shape[:2]) != (len(ids), len(self.layer_ids)):
+                raise RuntimeError(
+                    f"request {output.request_id}: states of shape {tuple(states.shape)}, "
+                    f"expected [{len(ids)}, {len(self.layer_ids)}, H]"
+                )
+            results.append(states)
+        return results
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            del llm
+            if callable(shutdown):
+                shutdown()
+        self._tmp.cleanup()

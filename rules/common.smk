@@ -73,6 +73,15 @@ def extract_gpus():
     return int(config["extract"].get("tp_size", 1)) if config["extract"].get("use_gpu", False) else 0
 
 
+def train_gpus():
+    """GPUs of the train job; more than one runs data parallel under torchrun."""
+    return int(config.get("resources", {}).get("train_gpus", 0))
+
+
+def train_threads():
+    return int(config["train"].get("threads") or 2)
+
+
 def extract_settings():
     """Every extract setting a capture job uses (num_shards shapes the DAG, not a job)."""
     return {key: value for key, value in config["extract"].items() if key != "num_shards"}

@@ -41,7 +41,6 @@ rule regenerate:
         mem_mb=mem_mb("regenerate"),
     params:
         settings=regenerate_settings(),
-        model=target_dir(),
         trust_remote_code=config["target"]["trust_remote_code"],
         # not an output: Snakemake would delete it before a rerun, and it is what makes resuming work
         progress=str(RESULTS / "corpus" / "regenerated.progress.jsonl"),

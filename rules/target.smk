@@ -9,6 +9,7 @@ rule prepare_target:
     params:
         target=config["target"],
         out_dir=target_dir(),
+        code=stage_code("prepare_target"),
     threads: 2
     resources:
         mem_mb=mem_mb("prepare_target"),

@@ -1,1 +1,51 @@
-# stage: train (rules land here)
+# stage: vocab + train. The draft vocabulary from train token counts, then the EAGLE-3 draft
+# trained on the capture stores (docs/design.md, docs/training.md). Checkpoints live in
+# results/train/checkpoints/ and are deliberately not an output: Snakemake deletes the outputs
+# of a failed job, and a killed training job must find them to resume.
+
+
+rule vocab:
+    input:
+        token_freq="results/tokenize/token_freq.safetensors",
+    output:
+        vocab="results/vocab/vocab.safetensors",
+        summary="results/vocab/summary.json",
+    log:
+        "logs/vocab.log",
+    benchmark:
+        "benchmarks/vocab.tsv"
+    params:
+        code=stage_code("vocab"),
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+    threads: 1
+    resources:
+        mem_mb=mem_mb("vocab"),
+    script:
+        "../scripts/vocab.py"
+
+
+rule train:
+    input:
+        train=extract_dirs("train"),
+        val=extract_dirs("val"),
+        vocab=rules.vocab.output.vocab,
+        target=target_info(),
+    output:
+        draft=directory(str(RESULTS / "train" / "draft")),
+        metrics=str(RESULTS / "train" / "metrics.jsonl"),
+    log:
+        "logs/train.log",
+    benchmark:
+        "benchmarks/train.tsv"
+    params:
+        code=stage_code("train"),
+        target_dir=target_dir(),
+        checkpoint_dir=str(RESULTS / "train" / "checkpoints"),
+        train=config["train"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+    threads: train_threads()
+    resources:
+        mem_mb=mem_mb("train"),
+        gpu=train_gpus(),
+    script:
+        "../scripts/train.py"

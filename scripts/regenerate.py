@@ -1,5 +1,7 @@
 """Rule regenerate: re-answer the ingested conversations with the target (vLLM)."""
 
+from pathlib import Path
+
 from draftflow.corpus.regenerate import (
     RegenerateSettings,
     fingerprint,
@@ -11,12 +13,13 @@ from draftflow.workflow.script import setup_logging
 
 if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     log = setup_logging(snakemake)
+    model_dir = Path(snakemake.input.target).parent  # the prepared target's directory
     section = snakemake.params.settings
     settings = RegenerateSettings.from_config(section)
     max_model_len = int(section.get("max_model_len", 2048))
     conversations = read_conversations(snakemake.input.conversations)
     llm = make_engine(
-        snakemake.params.model,
+        model_dir,
         max_model_len=max_model_len,
         gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.1)),
         kv_cache_memory_bytes=section.get("kv_cache_memory_bytes"),
@@ -31,7 +34,7 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
         summary=snakemake.output.summary,
         progress=snakemake.params.progress,
         run_fingerprint=fingerprint(
-            snakemake.input.conversations, snakemake.params.model, settings, max_model_len
+            snakemake.input.conversations, model_dir, settings, max_model_len
         ),
         max_model_len=max_model_len,
     )

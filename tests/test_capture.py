@@ -31,8 +31,11 @@ ENGINE = EngineSettings(
     kv_cache_memory_bytes=21_900_000,
     engine_args={"block_size": 32, "long_prefill_token_threshold": 32},
 )
-# bf16 capture against an fp32 reference; measured: mean >= 0.9999, p01 >= 0.9995 per layer.
-MIN_MEAN_COSINE = 0.999
+# bf16 capture against an fp32 reference, per layer over all tokens of a call. Measured on these
+# prompts: mean >= 0.9999 and p01 >= 0.9995. The mean is not higher because single tokens with
+# massive activations (norm ~3000 at the final pre-norm layer) lose their direction in bf16: one
+# such token gave cosine -0.29 in vLLM and -0.24 in transformers bf16 (a bf16 limit, not capture).
+MIN_MEAN_COSINE = 0.995
 MIN_P01_COSINE = 0.995
 
 
@@ -57,6 +60,15 @@ def hooks_backend(smollm2_dir, layers):
 def hf_reference(smollm2_dir, layers):
     backend = make_backend(
         "hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN, hf_dtype="float32")
+    )
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def hf_bf16(smollm2_dir, layers):
+    backend = make_backend(
+        "hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN, hf_dtype="bfloat16")
     )
     yield backend
     backend.close()
@@ -115,7 +127,9 @@ def test_hf_final_layer_is_before_the_norm(smollm2_dir, layers, hf_reference):
 
 
 @pytest.mark.vllm
-def test_hooks_match_hf_with_chunking_batching_and_preemption(hooks_backend, hf_reference, layers):
+def test_hooks_match_hf_with_chunking_batching_and_preemption(
+    hooks_backend, hf_reference, hf_bf16, layers
+):
     prompts = make_prompts(LENGTHS, seed=0)
     captured = hooks_backend.capture(prompts)
     stats = hooks_backend.last_stats
@@ -124,8 +138,15 @@ def test_hooks_match_hf_with_chunking_batching_and_preemption(hooks_backend, hf_
     assert stats["requests"] == len(LENGTHS) > ENGINE.max_num_seqs
     assert stats["max_forwards_per_request"] > 1, "no prompt was prefilled in chunks"
     assert stats["overwritten_tokens"] > 0, "no request was preempted and recomputed"
-    summary = assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids)
-    print("hooks vs hf fp32:", summary)
+    reference = hf_reference.capture(prompts)
+    summary = assert_close_to(captured, reference, layers.layer_ids)
+    # As close to fp32 as transformers itself gets in bf16.
+    bf16_states = hf_bf16.capture(prompts)
+    bf16_cosines = [token_cosines(b, r) for b, r in zip(bf16_states, reference, strict=True)]
+    bf16_summary = cosine_summary(torch.cat(bf16_cosines), layers.layer_ids)
+    for layer, values in summary.items():
+        assert values["mean"] >= bf16_summary[layer]["mean"] - 1e-3, (layer, values, bf16_summary)
+    print("hooks vs hf fp32:", summary, "\nhf bf16 vs hf fp32:", bf16_summary)
 
 
 @pytest.mark.vllm
@@ -138,13 +159,9 @@ def test_repeated_calls_keep_requests_apart(hooks_backend, hf_reference, layers)
         assert_close_to(captured, hf_reference.capture(batch), layers.layer_ids)
 
 
-def test_hf_bf16_backend_is_close_to_fp32(smollm2_dir, layers, hf_reference):
+def test_hf_bf16_backend_is_close_to_fp32(layers, hf_reference, hf_bf16):
     prompts = make_prompts([7, 200], seed=2)
-    bf16 = make_backend("hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN))
-    try:
-        assert_close_to(bf16.capture(prompts), hf_reference.capture(prompts), layers.layer_ids)
-    finally:
-        bf16.close()
+    assert_close_to(hf_bf16.capture(prompts), hf_reference.capture(prompts), layers.layer_ids)
 
 
 def write_shard(path, lengths, seed=0):

@@ -16,6 +16,7 @@ from draftflow.data.tokenize import TokenizeSettings, limit_turns, tokenize_corp
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+GEMMA_SPECIALS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 
 # Meta's Llama-3 template (bos, role headers, trimmed content, <|eot_id|> after every turn).
 LLAMA3_TEMPLATE = (
@@ -26,6 +27,16 @@ LLAMA3_TEMPLATE = (
     "{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
+)
+
+# Gemma-like: the assistant is called "model", and a system message is refused.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
 # Qwen3-like: the last assistant turn gets an empty think block that earlier turns don't,
@@ -101,6 +112,11 @@ def llama3_tokenizer():
     return build_local_tokenizer(
         LLAMA3_SPECIALS, LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>"
     )
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    return build_local_tokenizer(GEMMA_SPECIALS, GEMMA_TEMPLATE, "<bos>", "<eos>")
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +197,12 @@ def test_smollm2_default_system_prompt_stays_unmasked(smollm2_tokenizer):
     # Nothing after the last <|im_end|> is masked (ChatML's trailing newline is scaffolding).
     last_masked = len(encoded.loss_mask) - 1 - encoded.loss_mask[::-1].index(1)
     assert smollm2_tokenizer.convert_ids_to_tokens(encoded.input_ids[last_masked]) == "<|im_end|>"
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_gemma_masks_cover_exactly_model_text_and_end_of_turn(gemma_tokenizer, name):
+    messages = [m for m in CONVERSATIONS[name] if m["role"] != "system"]
+    check_masks(gemma_tokenizer, messages, "<end_of_turn>", trims=True)
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -348,6 +370,19 @@ def test_tokenize_fails_clearly_when_nothing_is_left(tmp_path, corpus, llama3_ta
     # So short that only the user's question fits: no sample has an assistant token.
     with pytest.raises(ValueError, match="no conversation produced a sample"):
         run_tokenize(tmp_path / "tiny", corpus, llama3_target, max_length=8)
+
+
+def test_tokenize_counts_conversations_the_template_refuses(tmp_path, corpus, gemma_tokenizer):
+    target = tmp_path / "gemma"
+    gemma_tokenizer.save_pretrained(target)
+    records = corpus.read_text().splitlines()
+    refused = json.loads(records[0])
+    refused["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    corpus.write_text("\n".join([json.dumps(refused), *records[1:]]) + "\n")
+    summary, table, _ = run_tokenize(tmp_path / "out", corpus, target)
+    assert summary["skipped_template_error"] == 1
+    assert refused["id"] not in table["id"].to_pylist()
+    assert summary["samples"] == table.num_rows == 40
 
 
 def test_tokenize_settings_reject_unknown_policy():

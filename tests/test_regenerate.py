@@ -148,7 +148,7 @@ def test_regenerate_answers_turn_by_turn_on_regenerated_history(llm, tmp_path: P
 
     assert summary["conversations_in"] == 4
     assert summary["kept"] == 3
-    assert summary["dropped"] == {"prompt_too_long": 1, "empty_answer": 0}
+    assert summary["dropped"] == {"prompt_too_long": 1, "empty_answer": 0, "no_assistant_turn": 0}
     assert summary["answers_generated"] == 4
     assert 0 < summary["generated_tokens"] <= 4 * 8
     assert summary["resumed"] == 0

@@ -15,7 +15,8 @@ Outcomes per conversation:
 - ``regenerated``: every planned assistant turn answered;
 - ``shortened``: a later turn's prompt no longer fits the context, or the target's answer was
   empty; the conversation ends after the last good answer (kept);
-- ``prompt_too_long`` / ``empty_answer``: the same for the first turn (dropped).
+- ``prompt_too_long`` / ``empty_answer``: the same for the first turn (dropped);
+- ``no_assistant_turn``: nothing to answer (dropped; ingest never writes such conversations).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ REGENERATED = "regenerated"
 SHORTENED = "shortened"
 PROMPT_TOO_LONG = "prompt_too_long"
 EMPTY_ANSWER = "empty_answer"
+NO_ASSISTANT_TURN = "no_assistant_turn"
 KEPT_OUTCOMES = (REGENERATED, SHORTENED)
-OUTCOMES = (REGENERATED, SHORTENED, PROMPT_TOO_LONG, EMPTY_ANSWER)
+DROP_OUTCOMES = (PROMPT_TOO_LONG, EMPTY_ANSWER, NO_ASSISTANT_TURN)
+OUTCOMES = KEPT_OUTCOMES + DROP_OUTCOMES
 PROGRESS_FORMAT = "draftflow-regenerate-progress/1"
 
 
@@ -143,7 +146,7 @@ class _Dialogue:
             if self.plan[index]["role"] == "assistant":
                 self.answer_at = index
                 return [*self.history, *self.plan[self.cursor : index]]
-        self.outcome = REGENERATED
+        self.outcome = REGENERATED if self.answers else NO_ASSISTANT_TURN
         return None
 
     def accept(self, prompt: list[Message], answer: str) -> None:
@@ -386,10 +389,7 @@ def _write_outputs(
     result = {
         "conversations_in": len(conversations),
         "kept": kept,
-        "dropped": {
-            PROMPT_TOO_LONG: outcomes[PROMPT_TOO_LONG],
-            EMPTY_ANSWER: outcomes[EMPTY_ANSWER],
-        },
+        "dropped": {outcome: outcomes[outcome] for outcome in DROP_OUTCOMES},
         "outcomes": {outcome: outcomes[outcome] for outcome in OUTCOMES},
         "answers_generated": answers,
         "generated_tokens": generated_tokens,

@@ -34,10 +34,6 @@ class MaskedTokens:
     # True when the conversation had more tokens than the limit and was cut to it
     truncated: bool = False
 
-    @property
-    def num_masked(self) -> int:
-        return sum(self.loss_mask)
-
 
 class ChatTemplateMasker:
     """Renders conversations with a tokenizer's chat template and marks assistant tokens."""

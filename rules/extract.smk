@@ -16,14 +16,14 @@ rule extract:
     wildcard_constraints:
         split="train|val",
         shard=r"shard-\d{5}",
+    threads: int(config["extract"].get("threads", 2))
+    resources:
+        mem_mb=mem_mb("extract"),
+        gpu=extract_gpus(),
     params:
         code=stage_code("extract"),
         target_dir=target_dir(),
         extract=extract_settings(),
         trust_remote_code=config["target"].get("trust_remote_code", False),
-    threads: int(config["extract"].get("threads", 2))
-    resources:
-        mem_mb=mem_mb("extract"),
-        gpu=extract_gpus(),
     script:
         "../scripts/extract.py"

@@ -34,22 +34,36 @@ TRAIN_PROMPTS = [
     "Give me three tips for learning Python.",
     "Explain photosynthesis in one sentence.",
     "List the first five prime numbers.",
-    "What does a compiler do?",
-    "Describe a cat to a child.",
     "Why is the sky blue?",
-    "Name three colours of the rainbow.",
     "How do I boil an egg?",
-    "What is 12 times 12?",
     "Suggest a name for a pet dog.",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.",
+    "How do airplanes stay in the air?",
+    "Write a short poem about autumn.",
+    "What is a prime number?",
+    "Give me a recipe for pancakes.",
+    "Who wrote Romeo and Juliet?",
+    "Explain gravity to a child.",
+    "What are the planets of the solar system?",
+    "How can I improve my handwriting?",
+    "Describe the water cycle.",
+    "What is the difference between a virus and a bacterium?",
+    "Translate 'good morning' into Spanish.",
+    "Why do we need sleep?",
+    "Give me an idea for a birthday party.",
+    "What is machine learning?",
 ]
 VAL_PROMPTS = [
     "What is the largest planet?",
     "Give me a tip for sleeping well.",
     "Explain what a noun is.",
-    "How many legs does a spider have?",
+    "How do bees make honey?",
 ]
-NEW_TOKENS = 40
+NEW_TOKENS = 32
 DRAFT_VOCAB = 1024
+# Two helpers' processes share two cores here: more than one torch thread each thrashes.
+THREADS = 1
 
 
 def _chat_prompts(tokenizer, prompts: list[str]) -> list[str]:
@@ -61,29 +75,57 @@ def _chat_prompts(tokenizer, prompts: list[str]) -> list[str]:
     ]
 
 
+def _greedy_continuations(model, tokenizer, texts: list[str]) -> list[tuple[torch.Tensor, int]]:
+    """(prompt + greedy continuation ids, prompt length) per prompt; one batched generate call."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+    results = []
+    for row, attention in zip(out, batch.attention_mask, strict=True):
+        pad = int((attention == 0).sum())
+        prompt_len = int(attention.sum())
+        ids = row[pad:]
+        # Cut the padding after an early end of turn.
+        if tokenizer.pad_token_id is not None:
+            keep = prompt_len + int((ids[prompt_len:] != tokenizer.pad_token_id).cumprod(0).sum())
+            ids = ids[: max(keep, prompt_len + 1)]
+        results.append((ids, prompt_len))
+    return results
+
+
 def _capture(model, tokenizer, prompts: list[str], out_dirs: list[Path], layer_ids, aux_ids):
     """Greedy continuations of the target, then its hidden states, into len(out_dirs) shards."""
     hidden_size = model.config.hidden_size
     writers = [
-        ShardWriter(d, layer_ids=layer_ids, aux_layer_ids=aux_ids, hidden_size=hidden_size, meta={"backend": "test-hf"})
+        ShardWriter(
+            d,
+            layer_ids=layer_ids,
+            aux_layer_ids=aux_ids,
+            hidden_size=hidden_size,
+            meta={"backend": "test-hf"},
+        )
         for d in out_dirs
     ]
     freq = torch.zeros(model.config.vocab_size, dtype=torch.int64)
     final_pre_norm: list[torch.Tensor] = []
-    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: final_pre_norm.append(args[0]))
+    # transformers' hidden_states[L] is after the final norm: take its input instead.
+    hook = model.model.norm.register_forward_pre_hook(
+        lambda _module, args: final_pre_norm.append(args[0])
+    )
     try:
-        for n, text in enumerate(_chat_prompts(tokenizer, prompts)):
-            prompt_ids = tokenizer(text, return_tensors="pt").input_ids
+        sequences = _greedy_continuations(model, tokenizer, _chat_prompts(tokenizer, prompts))
+        for n, (ids, prompt_len) in enumerate(sequences):
             with torch.no_grad():
-                full = model.generate(prompt_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
                 final_pre_norm.clear()
-                out = model(full, output_hidden_states=True)
+                out = model(ids.unsqueeze(0), output_hidden_states=True)
             states = [out.hidden_states[i][0] for i in aux_ids] + [final_pre_norm[-1][0]]
-            mask = torch.zeros(full.shape[1], dtype=torch.int8)
-            mask[prompt_ids.shape[1] :] = 1
-            ids = full[0].to(torch.int32)
-            freq += torch.bincount(full[0][mask.bool()], minlength=model.config.vocab_size)
-            writers[n % len(writers)].add(f"s{n}", ids, mask, torch.stack(states, dim=1))
+            mask = torch.zeros(ids.shape[0], dtype=torch.int8)
+            mask[prompt_len:] = 1
+            freq += torch.bincount(ids[mask.bool()], minlength=model.config.vocab_size)
+            writers[n % len(writers)].add(
+                f"s{n}", ids.to(torch.int32), mask, torch.stack(states, dim=1)
+            )
     finally:
         hook.remove()
     for writer in writers:
@@ -93,8 +135,10 @@ def _capture(model, tokenizer, prompts: list[str], out_dirs: list[Path], layer_i
 
 @pytest.fixture(scope="module")
 def tiny_store(smollm2_dir, tmp_path_factory):
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.set_num_threads(THREADS)
     root = tmp_path_factory.mktemp("store")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -105,10 +149,10 @@ def tiny_store(smollm2_dir, tmp_path_factory):
     val_dirs = [root / "val" / "shard-00000"]
     freq = _capture(model, tokenizer, TRAIN_PROMPTS, train_dirs, layer_ids, aux_ids)
     _capture(model, tokenizer, VAL_PROMPTS, val_dirs, layer_ids, aux_ids)
-    from safetensors.torch import save_file
-
     save_file({"token_freq": freq}, str(root / "token_freq.safetensors"))
-    write_vocab(root / "token_freq.safetensors", root / "vocab.safetensors", root / "vocab.json", DRAFT_VOCAB)
+    write_vocab(
+        root / "token_freq.safetensors", root / "vocab.safetensors", root / "vocab.json", DRAFT_VOCAB
+    )
     return {
         "root": root,
         "target": str(smollm2_dir),
@@ -121,13 +165,13 @@ def tiny_store(smollm2_dir, tmp_path_factory):
 
 def _job(store, out: Path, **settings) -> TrainJob:
     base = {
-        "tokens_per_batch": 256,
+        "tokens_per_batch": 128,
         "lr": 1e-3,
         "warmup_steps": 10,
         "eval_every": 50,
         "checkpoint_every": 50,
-        "log_every": 50,
-        "threads": 2,
+        "log_every": 25,
+        "threads": THREADS,
     }
     base.update(settings)
     return TrainJob(
@@ -145,7 +189,7 @@ def _job(store, out: Path, **settings) -> TrainJob:
 @pytest.fixture(scope="module")
 def trained(tiny_store, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    job = _job(tiny_store, out, epochs=60, scheduler="none")
+    job = _job(tiny_store, out, epochs=16)
     summary = train(job)
     return {"job": job, "out": out, "summary": summary}
 
@@ -154,7 +198,7 @@ def test_val_loss_falls_and_accuracy_rises(trained):
     records = read_metrics(trained["out"] / "metrics.jsonl")
     val = [r for r in records if r["kind"] == "val"]
     train_steps = [r for r in records if r["kind"] == "train"]
-    assert val[0]["step"] == 0 and val[-1]["step"] == trained["summary"]["steps"] >= 200
+    assert val[0]["step"] == 0 and val[-1]["step"] == trained["summary"]["steps"] >= 120
     assert val[-1]["loss"] < 0.7 * val[0]["loss"]
     for k in range(3):
         assert val[-1]["full_acc"][k] > val[0]["full_acc"][k] + 0.1
@@ -189,7 +233,7 @@ def _run_cli(job: TrainJob, job_path: Path) -> subprocess.Popen:
 
 
 def test_killed_run_resumes_bit_identical(tiny_store, tmp_path):
-    settings = {"epochs": 8, "checkpoint_every": 5, "eval_every": 1000}
+    settings = {"epochs": 4, "checkpoint_every": 4, "eval_every": 1000}
     straight = _job(tiny_store, tmp_path / "straight", **settings)
     train(straight)
 
@@ -198,7 +242,7 @@ def test_killed_run_resumes_bit_identical(tiny_store, tmp_path):
     # Kill the job (SIGKILL: no clean-up) once its second checkpoint is on disk.
     while process.poll() is None:
         found = latest_checkpoint(resumed.checkpoint_dir)
-        if found is not None and found.name >= "step-00000010":
+        if found is not None and found.name >= "step-00000008":
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.05)

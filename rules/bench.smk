@@ -11,13 +11,13 @@ rule prompts:
         "benchmarks/bench/prompts/{dataset}.tsv"
     wildcard_constraints:
         dataset=bench_dataset_pattern(),
+    threads: 1
+    resources:
+        mem_mb=mem_mb("default"),
     params:
         dataset=bench_dataset,
         max_turns=config["bench"].get("max_turns"),
         code=stage_code("prompts"),
-    threads: 1
-    resources:
-        mem_mb=mem_mb("default"),
     script:
         "../scripts/prompts.py"
 
@@ -26,7 +26,7 @@ rule bench:
     input:
         prompts=str(RESULTS / "bench" / "prompts" / "{dataset}.jsonl"),
         draft=bench_draft_dir(),
-        target=str(RESOURCES / "target" / "config.json"),
+        target=target_info(),
     output:
         csv=str(RESULTS / "bench" / "{dataset}.csv"),
         outputs=str(RESULTS / "bench" / "{dataset}" / "outputs.jsonl"),
@@ -36,14 +36,13 @@ rule bench:
         "benchmarks/bench/{dataset}.tsv"
     wildcard_constraints:
         dataset=bench_dataset_pattern(),
-    params:
-        target=target_dir(),
-        bench=bench_settings(),
-        dtype=config["target"].get("dtype", "bfloat16"),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
-        code=stage_code("bench"),
     threads: bench_threads()
     resources:
         mem_mb=mem_mb("bench"),
+    params:
+        bench=bench_settings(),
+        dtype=bench_dtype(),
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+        code=stage_code("bench"),
     script:
         "../scripts/bench.py"

@@ -129,6 +129,11 @@ def bench_settings():
     return {key: config["bench"][key] for key in BENCH_SETTINGS if key in config["bench"]}
 
 
+def bench_dtype():
+    """Engine dtype: bench.dtype, else the prepared target's dtype."""
+    return config["bench"].get("dtype") or config["target"].get("dtype", "bfloat16")
+
+
 def bench_threads():
     return int(config["bench"].get("threads", 2))
 
@@ -174,6 +179,9 @@ def stage_modules(stage):
 
 
 def stage_code(stage):
-    """Digest of the draftflow code a stage runs; `params: code=stage_code("<stage>")` reruns
-    the stage when any of it changes (Snakemake's own code trigger sees only the script)."""
+    """Digest of the draftflow code a stage runs (sha256 of the modules, see digest.py).
+
+    `params: code=stage_code("<stage>")` reruns the stage when any of that code changes;
+    Snakemake's own code trigger sees only the rule's script.
+    """
     return code_digest(stage_modules(stage), root=Path(workflow.basedir))

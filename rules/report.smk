@@ -7,7 +7,7 @@ rule report:
         bench=bench_csvs(),
         train_metrics=str(RESULTS / "train" / "metrics.jsonl"),
         draft=bench_draft_dir(),
-        target=str(RESOURCES / "target" / "config.json"),
+        target=target_info(),
         extract=report_extract_dirs(),
     output:
         summary=report(
@@ -49,11 +49,10 @@ rule report:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
-    params:
-        target=target_dir(),
-        code=stage_code("report"),
     threads: 1
     resources:
         mem_mb=mem_mb("default"),
+    params:
+        code=stage_code("report"),
     script:
         "../scripts/report.py"

@@ -14,12 +14,12 @@ rule vocab:
         "logs/vocab.log",
     benchmark:
         "benchmarks/vocab.tsv"
-    params:
-        code=stage_code("vocab"),
-        draft_vocab_size=config["vocab"]["draft_vocab_size"],
     threads: 1
     resources:
         mem_mb=mem_mb("vocab"),
+    params:
+        code=stage_code("vocab"),
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
     script:
         "../scripts/vocab.py"
 
@@ -37,15 +37,14 @@ rule train:
         "logs/train.log",
     benchmark:
         "benchmarks/train.tsv"
-    params:
-        code=stage_code("train"),
-        target_dir=target_dir(),
-        checkpoint_dir=str(RESULTS / "train" / "checkpoints"),
-        train=config["train"],
-        trust_remote_code=config["target"].get("trust_remote_code", False),
     threads: train_threads()
     resources:
         mem_mb=mem_mb("train"),
         gpu=train_gpus(),
+    params:
+        code=stage_code("train"),
+        checkpoint_dir=str(RESULTS / "train" / "checkpoints"),
+        train=config["train"],
+        trust_remote_code=config["target"].get("trust_remote_code", False),
     script:
         "../scripts/train.py"

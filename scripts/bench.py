@@ -4,6 +4,8 @@ Each engine runs in its own child process (draftflow.bench.engine), so no vLLM e
 starts in this one.
 """
 
+from pathlib import Path
+
 from draftflow.bench.prompts import read_prompts
 from draftflow.bench.run import run_benchmark
 from draftflow.workflow.script import setup_logging
@@ -13,7 +15,7 @@ settings = snakemake.params.bench
 table = run_benchmark(
     dataset=snakemake.wildcards.dataset,
     prompts=read_prompts(snakemake.input.prompts),
-    target=snakemake.params.target,
+    target=str(Path(snakemake.input.target).parent),
     draft=snakemake.input.draft,
     ks=list(settings["num_speculative_tokens"]),
     out_csv=snakemake.output.csv,

@@ -1,5 +1,7 @@
 """Rule report: summary table, markdown summary and figures."""
 
+from pathlib import Path
+
 from draftflow.report.build import ReportPaths, build_report
 from draftflow.workflow.script import setup_logging
 
@@ -8,7 +10,7 @@ out = snakemake.output
 summary = build_report(
     bench_csvs=snakemake.input.bench,
     train_metrics=snakemake.input.train_metrics,
-    target_dir=snakemake.params.target,
+    target_dir=Path(snakemake.input.target).parent,
     draft_dir=snakemake.input.draft,
     extract_dirs=snakemake.input.extract,
     out=ReportPaths(

@@ -3,6 +3,9 @@
 With ``resources: gpu`` > 1 the job re-launches itself as torchrun workers (data parallel).
 """
 
+import dataclasses
+import os
+
 from draftflow.train.cli import launch
 from draftflow.train.loop import TrainJob
 from draftflow.train.settings import TrainSettings
@@ -10,15 +13,19 @@ from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging
 
 log = setup_logging(snakemake)
+settings = TrainSettings.from_config(snakemake.params.train)
+if settings.threads == 0:
+    settings = dataclasses.replace(settings, threads=snakemake.threads)
 job = TrainJob(
-    target_dir=snakemake.params.target_dir,
+    # The prepared target's info file sits in (and is written last into) the target directory.
+    target_dir=os.path.dirname(snakemake.input.target),
     vocab_path=snakemake.input.vocab,
     train_shards=list(snakemake.input.train),
     val_shards=list(snakemake.input.val),
     draft_dir=snakemake.output.draft,
     metrics_path=snakemake.output.metrics,
     checkpoint_dir=snakemake.params.checkpoint_dir,
-    settings=TrainSettings.from_config(snakemake.params.train),
+    settings=settings,
     trust_remote_code=snakemake.params.trust_remote_code,
 )
 gpus = int(snakemake.resources.gpu)

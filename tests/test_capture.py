@@ -224,3 +224,39 @@ def test_failed_verification_names_layer_and_keeps_store(tmp_path, smollm2_dir, 
         run_extract(tmp_path / "shard-00001.parquet", smollm2_dir, out, settings, hooks_backend)
     assert not out.exists()
     assert ShardReader(partial_dir(out)).manifest["verification"]["passed"] is False
+
+
+@pytest.mark.vllm
+def test_native_backend_matches_hf(smollm2_dir, layers, hf_reference):
+    """vLLM's own extractor with the CPU-safe connector: same layer ids, same accuracy."""
+    prompts = make_prompts([7, 600, 33, 250, 120, 64], seed=4)
+    settings = EngineSettings(
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    native = make_backend("native", smollm2_dir, layers.layer_ids, settings)
+    try:
+        captured = native.capture(prompts)
+        again = native.capture(prompts[:2])
+    finally:
+        native.close()
+    assert [c.shape for c in captured] == [(n, 4, 576) for n in (7, 600, 33, 250, 120, 64)]
+    assert [a.shape for a in again] == [(7, 4, 576), (600, 4, 576)]
+    assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids)
+
+
+def test_hf_extract_without_vllm_and_empty_shard(tmp_path, smollm2_dir):
+    """The fallback path end to end (manifest says no vLLM), and a shard with no samples."""
+    write_shard(tmp_path / "shard-00000.parquet", [15, 40])
+    settings = ExtractSettings(backend="hf", verify=VerifySettings(fraction=0.5))
+    out = tmp_path / "hf" / "shard-00000"
+    manifest = run_extract(tmp_path / "shard-00000.parquet", smollm2_dir, out, settings)
+    assert manifest["backend"] == "hf" and manifest["vllm_version"] is None
+    assert manifest["verification"]["passed"] and manifest["num_tokens"] == 55
+    assert len(manifest["verification"]["samples"]) == 1
+
+    write_samples(tmp_path / "shard-00001.parquet", samples_table([], [], []))
+    empty = run_extract(tmp_path / "shard-00001.parquet", smollm2_dir, tmp_path / "e", settings)
+    assert empty["num_samples"] == 0 and empty["verification"]["passed"]
+    assert len(ShardReader(tmp_path / "e")) == 0

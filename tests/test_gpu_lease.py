@@ -48,20 +48,66 @@ def test_lease_sets_and_restores_visible_devices(eight_gpus: Path) -> None:
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
-def test_concurrent_leases_get_distinct_devices_and_wait_with_a_clear_error(
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from draftflow.workflow.gpu import gpu_lease
+    with gpu_lease(int(sys.argv[1]), lock_dir=sys.argv[2]) as devices:
+        print(",".join(devices), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+class Holder:
+    """Another job: a process that holds a lease of ``count`` devices until it is killed."""
+
+    def __init__(self, count: int, lock_dir: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(count), str(lock_dir)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.process.stdout is not None
+        self.devices = self.process.stdout.readline().strip().split(",")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            # SIGKILL: no finally block runs; only the kernel can drop the flocks.
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+def test_concurrent_jobs_get_distinct_devices_and_wait_with_a_clear_error(
     eight_gpus: Path,
 ) -> None:
-    with gpu_lease(5, lock_dir=eight_gpus) as first, gpu_lease(3, lock_dir=eight_gpus) as second:
-        assert set(first).isdisjoint(second)
-        assert set(first) | set(second) == {str(index) for index in range(8)}
+    other = Holder(5, eight_gpus)
+    try:
+        assert len(other.devices) == 5
+        with gpu_lease(3, lock_dir=eight_gpus) as mine:
+            assert set(mine).isdisjoint(other.devices)
+            assert set(mine) | set(other.devices) == {str(index) for index in range(8)}
         with (
-            pytest.raises(TimeoutError, match=r"no 1 free GPU.*holders: 0: pid"),
-            gpu_lease(1, lock_dir=eight_gpus, timeout_s=0.3, poll_s=0.1),
+            pytest.raises(TimeoutError, match=r"no 4 free GPU.*holders: 0: pid \d+"),
+            gpu_lease(4, lock_dir=eight_gpus, timeout_s=0.3, poll_s=0.1),
         ):
             pass
-    # Both released: the whole machine can be leased again.
-    with gpu_lease(8, lock_dir=eight_gpus) as everything:
-        assert len(everything) == 8
+    finally:
+        other.kill()
+
+
+def test_a_nested_lease_reuses_the_jobs_devices(eight_gpus: Path) -> None:
+    with gpu_lease(3) as outer:
+        with gpu_lease(2, timeout_s=0.3) as inner:
+            assert inner == outer  # its own job's locks must not make it wait
+        with (
+            pytest.raises(ValueError, match="enclosing draftflow lease gave this job 3"),
+            gpu_lease(4),
+        ):
+            pass
+    assert "DRAFTFLOW_GPU_LEASED" not in os.environ
 
 
 def test_lease_released_when_the_job_raises(eight_gpus: Path) -> None:
@@ -79,13 +125,11 @@ def test_zero_gpus_is_a_no_op(eight_gpus: Path) -> None:
 
 
 def test_more_gpus_than_the_machine_has_is_an_error(eight_gpus: Path) -> None:
-    with pytest.raises(ValueError, match="needs 9 GPU.*offers 8"), gpu_lease(9):
+    with pytest.raises(ValueError, match=r"needs 9 GPU.*offers 8"), gpu_lease(9):
         pass
 
 
-def test_visible_devices_narrow_the_pool(
-    eight_gpus: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_visible_devices_narrow_the_pool(eight_gpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     with gpu_lease(2) as devices:
         assert sorted(devices) == ["2", "5"]
@@ -99,43 +143,21 @@ def test_scheduler_assignment_is_kept(eight_gpus: Path, monkeypatch: pytest.Monk
         assert devices == ["6", "7"]
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert not eight_gpus.exists()  # no lock taken: SLURM owns the devices
-    with pytest.raises(ValueError, match="gave job 42 2 GPU"), gpu_lease(4):
+    with pytest.raises(ValueError, match="SLURM job 42 gave this job 2 GPU"), gpu_lease(4):
         pass
 
 
-HOLDER = textwrap.dedent(
-    """
-    import sys, time
-    from draftflow.workflow.gpu import gpu_lease
-    with gpu_lease(int(sys.argv[1]), lock_dir=sys.argv[2]) as devices:
-        print(",".join(devices), flush=True)
-        time.sleep(600)
-    """
-)
-
-
 def test_a_killed_job_releases_its_devices(eight_gpus: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "8", str(eight_gpus)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    holder = Holder(8, eight_gpus)
     try:
-        assert holder.stdout is not None
-        assert len(holder.stdout.readline().strip().split(",")) == 8
+        assert len(holder.devices) == 8
         with pytest.raises(TimeoutError), gpu_lease(1, timeout_s=0.3, poll_s=0.1):
             pass
-        # SIGKILL: no finally block runs; only the kernel can drop the flocks.
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
+        holder.kill()
         with gpu_lease(8, timeout_s=10, poll_s=0.1) as devices:
             assert len(devices) == 8
     finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
+        holder.kill()
 
 
 # A workflow of GPU jobs of 1-4 GPUs (20 GPUs in all) on a machine with 8.
@@ -188,8 +210,10 @@ def run_gpu_workflow(workdir: Path, lock_dir: Path, gpu_budget: int) -> list[dic
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update({"DRAFTFLOW_NUM_GPUS": "8", "PYTHONPATH": str(REPO)})
     result = subprocess.run(
-        [str(SNAKEMAKE), "--cores", "8", "--resources", f"gpu={gpu_budget}"]
-        + ["--config", f"lock_dir={lock_dir}", "--quiet", "all"],
+        [
+            *(str(SNAKEMAKE), "--cores", "8", "--resources", f"gpu={gpu_budget}"),
+            *("--config", f"lock_dir={lock_dir}", "--quiet", "all"),
+        ],
         cwd=workdir,
         env=env,
         capture_output=True,

@@ -150,6 +150,25 @@ def test_train_log_reads_common_spellings(tmp_path: Path):
     assert missing.empty and final_accuracy(missing) == (None, {})
 
 
+def test_train_log_reads_draftflow_trainer_records(tmp_path: Path):
+    """The records draftflow.train.metrics.summarize writes."""
+    from draftflow.train.metrics import summarize
+
+    counted = {"loss_0_sum": 2.0, "loss_0_total": 1.0, "loss_1_sum": 3.0, "loss_1_total": 1.0}
+    for k, (full, cond) in enumerate([(0.8, 0.8), (0.6, 0.75)]):
+        counted |= {f"full_acc_{k}_sum": full, f"full_acc_{k}_total": 1.0}
+        counted |= {f"cond_acc_{k}_sum": cond, f"cond_acc_{k}_total": 1.0}
+    path = tmp_path / "metrics.jsonl"
+    records = [summarize("train", 5, counted, 2), summarize("val", 5, counted, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log = read_train_log(path)
+    assert final_accuracy(log) == ("eval", {0: 0.8, 1: 0.6})
+    losses = log[log["metric"] == "loss"]
+    assert sorted(losses["phase"]) == ["eval", "train"] and set(losses["value"]) == {5.0}
+    cond = log[(log["metric"] == "cond_accuracy") & (log["phase"] == "eval")]
+    assert dict(zip(cond["position"], cond["value"], strict=True)) == {0: 0.8, 1: 0.75}
+
+
 @pytest.fixture
 def run_dirs(tmp_path: Path) -> dict[str, Path]:
     target = tmp_path / "resources" / "target"
@@ -231,6 +250,7 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
     assert "train 40 samples / 12000 tokens, val 2 samples / 500 tokens" in markdown
     assert "Training steps: 30" in markdown
     assert "Validation accuracy per draft position (last step): pos 1: 0.250" in markdown
+    assert "Acceptance length these accuracies predict: k=1: 1.25, k=2: 1.37, k=3: 1.43" in markdown
     assert "| mtbench | 0 | 3 | 2.80 | 1.50 | True |" in markdown
     assert "humaneval k=2: 1 request(s)" in markdown  # differing outputs are reported
     assert "## Where the time goes" in markdown
@@ -268,3 +288,77 @@ def test_data_size_and_draft_description(run_dirs):
         "val": {"samples": 2, "tokens": 500},
     }
     assert describe_draft(run_dirs["draft"]).startswith("eagle3, 1 layer(s)")
+
+
+def test_sampled_runs_are_not_judged_lossless(tmp_path: Path):
+    rows = [
+        bench_row("chat", 0, 0, 100.0),
+        bench_row("chat", 1, 0, 90.0, drafts=40, accepted_per_pos=[8]),
+    ]
+    for row in rows:
+        row.update(temperature=0.8, outputs_identical=None, num_requests_differ=None)
+        row["first_difference"] = "not checked (sampled)"
+    path = tmp_path / "chat.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    summary = summarise(pd.read_csv(path))
+    assert summary["outputs_identical"].isna().all()
+    assert summary.loc[summary["k"] == 1, "acceptance_length"].iloc[0] == pytest.approx(1.2)
+    assert summary["num_requests_differ"].isna().all()
+    assert "temperature 0.8" in where_the_time_goes(summary)[0]
+
+
+@pytest.mark.workflow
+def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv: Path, run_dirs):
+    """The report rule through snakemake on finished upstream files, then `snakemake --report`.
+
+    Only the report rule may run (`--allowed-rules report`), so no engine starts; the whole
+    workflow's HTML report is the lead's end-to-end test, built with the same helper.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    from draftflow.report.html import build_html_report
+
+    work = tmp_path / "work"
+    (work / "results" / "bench").mkdir(parents=True)
+    for dataset in ("mtbench", "humaneval"):
+        table = pd.read_csv(bench_csv).assign(dataset=dataset)
+        table.to_csv(work / "results" / "bench" / f"{dataset}.csv", index=False)
+    (work / "resources").mkdir()
+    shutil.copytree(run_dirs["target"], work / "resources" / "target")
+    shutil.copytree(run_dirs["draft"], work / "results" / "train" / "draft")
+    write_metrics(work / "results" / "train" / "metrics.jsonl")
+    for split, shard in [("train", 0), ("train", 1), ("val", 0)]:
+        shard_dir = work / "results" / "extract" / split / f"shard-{shard:05d}"
+        shard_dir.mkdir(parents=True)
+        (shard_dir / "manifest.json").write_text('{"num_samples": 5, "num_tokens": 100}')
+
+    common = [
+        "--snakefile",
+        str(repo_root / "Snakefile"),
+        "--configfile",
+        str(repo_root / "config" / "config.yaml"),
+    ]
+    only_report = ["--allowed-rules", "report", "--", "results/summary.csv"]
+    run = subprocess.run(
+        [sys.executable, "-m", "snakemake", *common, "--cores", "1", *only_report],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = pd.read_csv(work / "results" / "summary.csv")
+    assert sorted(summary["dataset"].unique()) == ["humaneval", "mtbench"]
+    assert "train 10 samples / 200 tokens" in (work / "results" / "summary.md").read_text()
+
+    report = build_html_report(
+        work,
+        "results/report.html",
+        snakefile=repo_root / "Snakefile",
+        configfiles=[repo_root / "config" / "config.yaml"],
+        extra_args=only_report,
+    )
+    assert report.stat().st_size > 100_000  # the five figures are embedded

@@ -148,9 +148,11 @@ def test_slurm_profile_runs_jobs_through_sbatch(slurm_cluster: Path, tmp_path: P
     slurm_dir = tmp_path / "slurm"
     _write_workflow(slurm_dir)
     result = subprocess.run(
-        [str(SNAKEMAKE), "--profile", str(REPO / "profiles" / "slurm")]
-        # The test cluster has no accounting database: no sacct, so squeue (MinJobAge=3600).
-        + ["--slurm-init-seconds-before-status-checks", "2", "--slurm-status-command", "squeue"],
+        [
+            *(str(SNAKEMAKE), "--profile", str(REPO / "profiles" / "slurm")),
+            # The test cluster has no accounting database, so no sacct: squeue (MinJobAge=3600).
+            *("--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2"),
+        ],
         cwd=slurm_dir,
         env={**_env(), "DRAFTFLOW_GPU_LOCK_DIR": str(tmp_path / "slurm-locks")},
         capture_output=True,
@@ -170,7 +172,9 @@ def test_slurm_profile_runs_jobs_through_sbatch(slurm_cluster: Path, tmp_path: P
         ).stdout
         for job_id in job_ids
     }
-    rules = sorted(re.search(r"Comment=rule_(extract|gather)", text).group(1) for text in details.values())
+    rules = sorted(
+        re.search(r"Comment=rule_(extract|gather)", text).group(1) for text in details.values()
+    )
     assert rules == ["extract", "extract", "gather"], details
     for text in details.values():
         gpu_job = "Comment=rule_extract" in text

@@ -59,7 +59,10 @@ def test_write_vocab_files_and_coverage(tmp_path):
     freq = torch.tensor([10, 0, 30, 5, 55], dtype=torch.int64)
     save_file({"token_freq": freq}, str(tmp_path / "token_freq.safetensors"))
     summary = write_vocab(
-        tmp_path / "token_freq.safetensors", tmp_path / "vocab.safetensors", tmp_path / "summary.json", 2
+        tmp_path / "token_freq.safetensors",
+        tmp_path / "vocab.safetensors",
+        tmp_path / "summary.json",
+        2,
     )
     tensors = load_file(str(tmp_path / "vocab.safetensors"))
     assert set(tensors) == {"d2t", "t2d"}

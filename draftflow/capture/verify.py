@@ -68,6 +68,15 @@ def verify_shard(
     reader = ShardReader(shard_dir)
     layer_ids = reader.layer_ids
     indices = pick_samples(len(reader), fraction)
+    if not indices:  # an empty shard: nothing to compare
+        return {
+            "reference": f"hf {settings.hf_dtype}",
+            "samples": [],
+            "num_tokens": 0,
+            "per_layer": {},
+            "failures": [],
+            "passed": True,
+        }
     reference_backend = HFBackend(model_dir, layer_ids, settings)
     cosines = []
     try:
@@ -102,5 +111,11 @@ def verify_shard(
         "passed" if result["passed"] else "FAILED",
     )
     for layer, values in per_layer.items():
-        log.info("  layer %s: mean %.5f p01 %.5f min %.5f", layer, *values.values())
+        log.info(
+            "  layer %s: mean %.5f p01 %.5f min %.5f",
+            layer,
+            values["mean"],
+            values["p01"],
+            values["min"],
+        )
     return result

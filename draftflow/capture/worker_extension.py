@@ -114,9 +114,9 @@ class HiddenStateCaptureExtension:
         stream = hidden_states.clone() if residual is None else hidden_states + residual
         self._df_step.states[layer_id] = stream
 
-    def _df_after_forward(self) -> None:
+    def _df_after_forward(self, failed: bool) -> None:
         step, self._df_step = self._df_step, None
-        if step is None or step.layout is None:  # an empty step: no forward ran
+        if failed or step is None or step.layout is None:  # failed, or no forward ran
             return
         missing = [i for i in self._df_layer_ids if i not in step.states]
         if missing:

@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on the workers
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from draftflow.io import atomic_path
 
@@ -46,14 +47,31 @@ def plot_acceptance_length(summary: pd.DataFrame, out: str | Path) -> None:
     _save(figure, out)
 
 
-def plot_acceptance_per_position(summary: pd.DataFrame, out: str | Path) -> None:
-    """Share of drafts whose i-th token was accepted, one curve per (dataset, k)."""
+def plot_acceptance_per_position(
+    summary: pd.DataFrame, out: str | Path, train_accuracy: dict[int, float] | None = None
+) -> None:
+    """Share of drafts whose i-th token was accepted, one curve per (dataset, k).
+
+    ``train_accuracy`` (position → accuracy on the training stage's validation data), when
+    given, is drawn for comparison: it estimates the same share offline.
+    """
     figure, axes = plt.subplots(figsize=(5, 3.5))
     for row in summary[summary["k"] > 0].itertuples():
         rates = json.loads(row.acceptance_per_pos) if row.acceptance_per_pos else []
         if rates:
             label = f"{_label(row.dataset, row.temperature)}, k={row.k}"
             axes.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+    if train_accuracy:
+        positions = sorted(train_accuracy)
+        axes.plot(
+            [p + 1 for p in positions],
+            [train_accuracy[p] for p in positions],
+            linestyle="--",
+            color="black",
+            marker="x",
+            label="training validation",
+        )
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("draft position")
     axes.set_ylabel("acceptance (share of drafts)")
     axes.set_ylim(0, 1)

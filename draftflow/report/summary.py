@@ -94,7 +94,9 @@ def summarise(bench: pd.DataFrame) -> pd.DataFrame:
                 "outputs_identical": bool(identical.astype(bool).all())
                 if identical.notna().all()
                 else None,
-                "num_requests_differ": int(group["num_requests_differ"].fillna(0).max()),
+                "num_requests_differ": int(group["num_requests_differ"].max())
+                if identical.notna().all()
+                else None,
                 "num_requests": int(group["num_requests"].iloc[0]),
                 "num_runs": len(group),
                 "temperature": float(temperature),

@@ -8,8 +8,14 @@ so this reader accepts the spellings trainers commonly use and ignores everythin
   or a ``val_``/``eval_`` prefix on the metric names;
 - step: ``step``, ``global_step`` or ``iteration``;
 - loss: ``loss`` (optionally prefixed ``train_``/``val_``/``eval_`` or ``train/`` ...);
-- accuracy: a list under ``acc``/``accuracy``/``acc_per_pos``/``accuracy_per_pos`` (index = draft
-  position, 0-based) or scalar keys ending in a position number (``acc_0``, ``val/accuracy_pos1``).
+- accuracy: a list under ``full_acc`` (draftflow's trainer: share of positions whose draft
+  tokens 0..i all match the target), ``acc``/``accuracy``/``acc_per_pos``/``accuracy_per_pos``
+  (index = draft position, 0-based) or scalar keys ending in a position number (``acc_0``,
+  ``val/accuracy_pos1``); ``cond_acc`` (step i right given steps < i were) is kept as
+  ``cond_accuracy``.
+
+``full_acc`` is what vLLM's per-position acceptance measures, so 1 + sum(full_acc[:k]) predicts
+the acceptance length at k.
 """
 
 from __future__ import annotations
@@ -25,8 +31,16 @@ import pandas as pd
 COLUMNS = ["step", "phase", "metric", "position", "value"]
 EVAL_PHASES = {"eval", "val", "validation", "evaluation"}
 _PREFIX = re.compile(r"^(train|val|eval|validation)[_/]")
-_ACC_LIST = {"acc", "accuracy", "acc_per_pos", "accuracy_per_pos", "accuracies"}
-_ACC_POS = re.compile(r"^(?:acc|accuracy)[_/]?(?:pos|position)?[_/]?(\d+)$")
+_ACC_LISTS = {
+    "full_acc": "accuracy",
+    "acc": "accuracy",
+    "accuracy": "accuracy",
+    "acc_per_pos": "accuracy",
+    "accuracy_per_pos": "accuracy",
+    "accuracies": "accuracy",
+    "cond_acc": "cond_accuracy",
+}
+_ACC_POS = re.compile(r"^(full_acc|cond_acc|acc|accuracy)[_/]?(?:pos|position)?[_/]?(\d+)$")
 
 
 def _phase(record: dict[str, Any]) -> str:
@@ -57,12 +71,13 @@ def records_to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
             name = _PREFIX.sub("", key)
             if name == "loss" and _number(value) is not None:
                 rows.append((int(step), phase, "loss", -1, float(value)))
-            elif name in _ACC_LIST and isinstance(value, list):
+            elif name in _ACC_LISTS and isinstance(value, list):
                 for position, item in enumerate(value):
                     if _number(item) is not None:
-                        rows.append((int(step), phase, "accuracy", position, float(item)))
+                        rows.append((int(step), phase, _ACC_LISTS[name], position, float(item)))
             elif (match := _ACC_POS.match(name)) and _number(value) is not None:
-                rows.append((int(step), phase, "accuracy", int(match.group(1)), float(value)))
+                metric = _ACC_LISTS[match.group(1)]
+                rows.append((int(step), phase, metric, int(match.group(2)), float(value)))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

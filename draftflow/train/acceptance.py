@@ -22,8 +22,13 @@ def measure_acceptance(
     num_speculative_tokens: int = 3,
     max_tokens: int = 48,
     max_model_len: int = 1024,
-    gpu_memory_utilization: float = 0.05,
+    kv_cache_memory_bytes: int = 128 << 20,
 ) -> dict:
+    """Greedy generation of ``prompts`` with the draft; tau and the texts.
+
+    The KV cache gets a fixed size: on a shared CPU machine a RAM fraction
+    (``gpu_memory_utilization``) may find nothing left.
+    """
     from vllm import LLM, SamplingParams
 
     from draftflow.bench.counters import read_spec_counters
@@ -37,7 +42,7 @@ def measure_acceptance(
         },
         enforce_eager=True,
         max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         disable_log_stats=False,
         seed=0,
     )

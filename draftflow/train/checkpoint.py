@@ -152,8 +152,6 @@ def load_checkpoint(
             params[name].copy_(value)
     tensors = load_file(str(path / "optimizer.safetensors"))
     for index, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(
-            unflatten_optimizer(index, tensors, state["optimizers"][index])
-        )
+        optimizer.load_state_dict(unflatten_optimizer(index, tensors, state["optimizers"][index]))
     restore_rng(tensors)
     return state

@@ -47,8 +47,6 @@ class TrainJob:
     checkpoint_dir: str
     settings: TrainSettings = field(default_factory=TrainSettings)
     trust_remote_code: bool = False
-    # Stop after this many steps as if killed (tests and benchmarks); None runs to the end.
-    stop_after: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "settings": self.settings.to_dict()}, indent=2)
@@ -149,21 +147,31 @@ def autocast(device: torch.device):
 
 
 # ------------------------------------------------------------------ evaluation
+def counted_keys(ttt_steps: int) -> list[str]:
+    """Every counted metric speculators' forward returns (a rank without val batches sends zeros)."""
+    names = ["loss"] + [
+        f"{m}_{k}" for k in range(ttt_steps) for m in ("loss", "full_acc", "cond_acc")
+    ]
+    return [f"{name}_{part}" for name in names for part in ("sum", "total")]
+
+
 @torch.no_grad()
 def evaluate(model, shards: ShardSet, job: TrainJob, placement: Placement, call_kwargs) -> dict:
+    """Counted metrics over the whole val set (each rank its share, summed over ranks)."""
     settings = job.settings
     model.eval()
-    totals: dict[str, float] = {}
+    totals = dict.fromkeys(counted_keys(settings.ttt_steps), 0.0)
     batches = val_batches(shards, settings.tokens_per_batch, placement.rank, placement.world_size)
     for refs in batches:
-        batch = to_device(collate(shards, refs, settings.tokens_per_batch, hidden_dtype(placement)), placement)
+        batch = collate(shards, refs, settings.tokens_per_batch, hidden_dtype(placement))
         with autocast(placement.device):
-            _, _, metrics = model(**batch, **call_kwargs)
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + float(value)
-    if placement.world_size > 1:
-        totals = reduce_sum({k: torch.tensor(v, device=placement.device) for k, v in totals.items()}, placement)
+            _, _, metrics = model(**to_device(batch, placement), **call_kwargs)
+        for key in totals:
+            totals[key] += float(metrics[key])
     model.train()
+    if placement.world_size > 1:
+        device_totals = {k: torch.tensor(v, device=placement.device) for k, v in totals.items()}
+        totals = reduce_sum(device_totals, placement)
     return totals
 
 
@@ -178,7 +186,7 @@ def to_device(batch: dict[str, torch.Tensor], placement: Placement) -> dict[str,
 
 # ------------------------------------------------------------------ the run
 def train(job: TrainJob) -> dict | None:
-    """Train (resuming from the newest matching checkpoint), export the draft; rank 0 returns its summary."""
+    """Train (resuming from a matching checkpoint) and export; rank 0 returns the summary."""
     settings = job.settings
     placement = init_placement(settings.device)
     if settings.threads > 0:
@@ -207,7 +215,9 @@ def train(job: TrainJob) -> dict | None:
     call_kwargs = {
         "ttt_steps": settings.ttt_steps,
         "ttt_step_loss_decay": settings.ttt_step_loss_decay,
-        "loss_config": resolve_loss_config(settings.loss, loss_implementation(settings, placement.device)),
+        "loss_config": resolve_loss_config(
+            settings.loss, loss_implementation(settings, placement.device)
+        ),
     }
     plan = TrainPlan(
         train_shards,
@@ -227,7 +237,10 @@ def train(job: TrainJob) -> dict | None:
     metrics_log = MetricsLog(job.metrics_path, enabled=placement.is_main, keep_before=start)
     if placement.world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[placement.device.index] if placement.device.type == "cuda" else None
+            model,
+            device_ids=[placement.device.index] if placement.device.type == "cuda" else None,
+            # The only buffers (d2t, t2d) never change.
+            broadcast_buffers=False,
         )
     if placement.is_main:
         log.info(
@@ -244,13 +257,28 @@ def train(job: TrainJob) -> dict | None:
             len(job.train_shards),
             len(val_shards.samples),
         )
-    if start == 0:
-        metrics_log.write(summarize("val", 0, evaluate(model, val_shards, job, placement, call_kwargs), settings.ttt_steps))
 
+    def validate(step: int) -> dict:
+        # The bare model: validation needs no gradient sync, and ranks may see unequal batches.
+        counted = evaluate(raw_model, val_shards, job, placement, call_kwargs)
+        record = summarize("val", step, counted, settings.ttt_steps)
+        metrics_log.write(record)
+        if placement.is_main:
+            acc = " ".join(f"{a:.3f}" for a in record["full_acc"])
+            log.info("step %d val loss %.4f acc %s", step, record["loss"], acc)
+        return record
+
+    if start == 0:
+        validate(0)
     model.train()
-    end = plan.total_steps if job.stop_after is None else min(plan.total_steps, job.stop_after)
+    end = plan.total_steps
     progress = tqdm(
-        range(start, end), desc="train", mininterval=5, disable=not placement.is_main, initial=start, total=plan.total_steps
+        range(start, end),
+        desc="train",
+        mininterval=5,
+        disable=not placement.is_main,
+        initial=start,
+        total=end,
     )
     last_val: dict | None = None
     for step in progress:
@@ -260,7 +288,10 @@ def train(job: TrainJob) -> dict | None:
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * factor
         refs = plan.batch(step, placement.rank)
-        batch = to_device(collate(train_shards, refs, settings.tokens_per_batch, hidden_dtype(placement)), placement)
+        batch = to_device(
+            collate(train_shards, refs, settings.tokens_per_batch, hidden_dtype(placement)),
+            placement,
+        )
         with autocast(placement.device):
             _, loss, metrics = model(**batch, **call_kwargs)
         for optimizer in optimizers:
@@ -283,17 +314,18 @@ def train(job: TrainJob) -> dict | None:
         metrics_log.write(record)
         done = step + 1
         if placement.is_main and (done % settings.log_every == 0 or done == end):
-            progress.write(
-                f"step {done}/{plan.total_steps} loss {record['loss']:.4f} "
-                f"acc {' '.join(f'{a:.3f}' for a in record['full_acc'])} "
-                f"{record['tokens_per_s']:.0f} tok/s"
+            log.info(
+                "step %d/%d loss %.4f acc %s lr %.2e %.0f tok/s",
+                done,
+                end,
+                record["loss"],
+                " ".join(f"{a:.3f}" for a in record["full_acc"]),
+                record["lr"],
+                record["tokens_per_s"],
             )
-        if done % settings.eval_every == 0 or done == plan.total_steps:
-            last_val = summarize("val", done, evaluate(model, val_shards, job, placement, call_kwargs), settings.ttt_steps)
-            metrics_log.write(last_val)
-            if placement.is_main:
-                progress.write(f"step {done} val loss {last_val['loss']:.4f} acc {last_val['full_acc']}")
-        if done % settings.checkpoint_every == 0 and done < plan.total_steps:
+        if done % settings.eval_every == 0 or done == end:
+            last_val = validate(done)
+        if done % settings.checkpoint_every == 0 and done < end:
             if placement.is_main:
                 save_checkpoint(
                     job.checkpoint_dir,
@@ -306,15 +338,12 @@ def train(job: TrainJob) -> dict | None:
             if placement.world_size > 1:
                 dist.barrier()
     progress.close()
-    if end < plan.total_steps:
-        log.info("stopped after step %d of %d as asked (stop_after)", end, plan.total_steps)
-        return None
 
     summary = None
     if placement.is_main:
         summary = {
             "steps": plan.total_steps,
-            "epochs": len([c for c in plan.steps_per_epoch[: settings.epochs] if c]),
+            "epochs": plan.position(end - 1)[0] + 1,
             "train_samples": len(train_shards.samples),
             "train_tokens": sum(r.num_tokens for r in train_shards.samples),
             "val_samples": len(val_shards.samples),

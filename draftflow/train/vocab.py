@@ -31,7 +31,9 @@ def read_token_freq(path: str | os.PathLike[str]) -> torch.Tensor:
         raise KeyError(f"{path} has no {TOKEN_FREQ_KEY!r} tensor (found {sorted(tensors)})")
     freq = tensors[TOKEN_FREQ_KEY]
     if freq.dim() != 1 or freq.dtype != torch.int64:
-        raise ValueError(f"{path}: token_freq must be int64 [vocab], got {freq.dtype} {list(freq.shape)}")
+        raise ValueError(
+            f"{path}: token_freq must be int64 [vocab], got {freq.dtype} {list(freq.shape)}"
+        )
     return freq
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 PACKAGE = "draftflow"
@@ -44,7 +44,7 @@ def _package_of(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _imports_of(path: Path, module: str, mtime_ns: int) -> tuple[str, ...]:
     """Names of the draftflow modules (or module attributes) a file imports, anywhere in it.
 
@@ -68,9 +68,12 @@ def _imports_of(path: Path, module: str, mtime_ns: int) -> tuple[str, ...]:
             found.append(base)
             # `from draftflow.x import y` may name a submodule y: try it as one.
             found.extend(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if DOTTED_NAME.match(node.value):
-                found.extend([node.value, node.value.rpartition(".")[0]])
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and DOTTED_NAME.match(node.value)
+        ):
+            found.extend([node.value, node.value.rpartition(".")[0]])
     return tuple(name for name in found if name == PACKAGE or name.startswith(PACKAGE + "."))
 
 

@@ -9,7 +9,8 @@ device. Every GPU rule's script therefore claims its devices here before any CUD
 A lease is one ``fcntl.flock`` per device on a lock file in a shared directory. The kernel
 drops a flock when its process dies, so a crashed or killed job can never leave a device
 claimed. When a cluster scheduler has already assigned devices (SLURM sets both
-``SLURM_JOB_ID`` and ``CUDA_VISIBLE_DEVICES``), that assignment is used untouched.
+``SLURM_JOB_ID`` and ``CUDA_VISIBLE_DEVICES``), that assignment is used untouched; so is an
+enclosing lease's (a nested call, or a child process of a job that holds a lease).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 NUM_GPUS_ENV = "DRAFTFLOW_NUM_GPUS"
 LOCK_DIR_ENV = "DRAFTFLOW_GPU_LOCK_DIR"
+# Set while a lease is held, so a nested lease (or a child process of the job) reuses the
+# job's devices instead of waiting for locks its own job holds.
+LEASED_ENV = "DRAFTFLOW_GPU_LEASED"
 DEFAULT_TIMEOUT_S = 24 * 3600.0
 
 
@@ -87,10 +91,15 @@ def device_pool() -> list[str]:
     return [str(index) for index in range(count_gpus())]
 
 
-def scheduler_assignment() -> list[str] | None:
-    """Devices a cluster scheduler already gave this job, or None when nobody did."""
-    if os.environ.get("SLURM_JOB_ID") and "CUDA_VISIBLE_DEVICES" in os.environ:
-        return device_pool()
+def existing_assignment() -> tuple[str, list[str]] | None:
+    """(who, devices) when this job already has devices: from SLURM or an enclosing lease."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    if os.environ.get(LEASED_ENV) == visible:
+        return "an enclosing draftflow lease", device_pool()
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"SLURM job {os.environ['SLURM_JOB_ID']}", device_pool()
     return None
 
 
@@ -100,6 +109,10 @@ def _lock_file_name(device: str) -> str:
 
 
 def _owner_of(lock_dir: Path, device: str) -> str:
+    probe = _try_lock(lock_dir, device)
+    if probe is not None:
+        os.close(probe)
+        return "free"
     try:
         return (lock_dir / (_lock_file_name(device) + ".lock")).read_text().strip() or "unknown"
     except OSError:
@@ -109,7 +122,11 @@ def _owner_of(lock_dir: Path, device: str) -> str:
 def _try_lock(lock_dir: Path, device: str) -> int | None:
     """Flock the device's lock file without waiting; the open descriptor is the lease."""
     path = lock_dir / (_lock_file_name(device) + ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        # Another user's lock file: a read-only descriptor can hold a flock too.
+        fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -119,8 +136,9 @@ def _try_lock(lock_dir: Path, device: str) -> int | None:
     owner = f"pid {os.getpid()} on {socket.gethostname()}"
     if os.environ.get("SNAKEMAKE_JOB_NAME"):
         owner += f" ({os.environ['SNAKEMAKE_JOB_NAME']})"
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, owner.encode() + b"\n", 0)
+    with contextlib.suppress(OSError):  # a read-only descriptor cannot say who holds it
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, owner.encode() + b"\n", 0)
     return fd
 
 
@@ -164,15 +182,16 @@ def gpu_lease(
         yield []
         return
 
-    assigned = scheduler_assignment()
-    if assigned is not None:
+    existing = existing_assignment()
+    if existing is not None:
+        owner, assigned = existing
         if len(assigned) < count:
             raise ValueError(
-                f"the scheduler gave job {os.environ['SLURM_JOB_ID']} {len(assigned)} GPU(s) "
+                f"{owner} gave this job {len(assigned)} GPU(s) "
                 f"(CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}) "
                 f"but it needs {count}: request gpu={count} for this rule"
             )
-        log.info("using the scheduler's GPUs %s", ",".join(assigned))
+        log.info("using the GPUs %s from %s", ",".join(assigned), owner)
         yield assigned
         return
 
@@ -184,7 +203,11 @@ def gpu_lease(
             "nvidia-smi): lower the rule's gpu resource or run it on a bigger machine"
         )
     lock_path = Path(lock_dir) if lock_dir is not None else default_lock_dir()
-    lock_path.mkdir(parents=True, exist_ok=True)
+    if not lock_path.is_dir():
+        lock_path.mkdir(parents=True, exist_ok=True)
+        # GPUs are shared by every user of the machine, so is the lock directory (like /tmp).
+        with contextlib.suppress(OSError):
+            lock_path.chmod(0o1777)
 
     deadline = time.monotonic() + timeout_s
     announced = False
@@ -192,7 +215,7 @@ def gpu_lease(
         if time.monotonic() >= deadline:
             owners = "; ".join(f"{device}: {_owner_of(lock_path, device)}" for device in pool)
             raise TimeoutError(
-                f"no {count} free GPU(s) of {','.join(pool)} after {timeout_s:.0f} s "
+                f"no {count} free GPU(s) of {','.join(pool)} after {timeout_s:g} s "
                 f"(locks in {lock_path}; holders: {owners})"
             )
         if not announced:
@@ -201,14 +224,15 @@ def gpu_lease(
         time.sleep(poll_s)
 
     devices = list(held)
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    previous = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", LEASED_ENV)}
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ[LEASED_ENV] = ",".join(devices)
     log.info("leased GPU(s) %s", os.environ["CUDA_VISIBLE_DEVICES"])
     try:
         yield devices
     finally:
-        if previous is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         _release(held)

@@ -99,17 +99,20 @@ class V1RunnerAdapter:
 
     @staticmethod
     def wrap_execute_model(
-        runner: Any, before: Callable[[Any], None], after: Callable[[], None]
+        runner: Any, before: Callable[[Any], None], after: Callable[[bool], None]
     ) -> None:
-        """Call ``before(scheduler_output)`` and ``after()`` around each forward."""
+        """Call ``before(scheduler_output)`` and ``after(failed)`` around each forward."""
         original = runner.execute_model
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             before(scheduler_output)
             try:
-                return original(scheduler_output, *args, **kwargs)
-            finally:
-                after()
+                result = original(scheduler_output, *args, **kwargs)
+            except BaseException:
+                after(True)  # drop this step's states; vLLM's own error propagates
+                raise
+            after(False)
+            return result
 
         runner.execute_model = execute_model
 

@@ -1,0 +1,133 @@
+"""Draft training throughput: packed train tokens per second for the demo's draft.
+
+Builds a synthetic capture store (random hidden states of the target's shape, written with the
+capture stage's ShardWriter) and a draft vocabulary, then runs the real training loop for a few
+steps. Reports the median tokens/s of the timed steps (the first ``--warmup`` steps excluded).
+
+Usage (results go to docs/benchmarks.md, section "Training", with the machine named)::
+
+    .venv/bin/python bench/train_throughput.py --target .test-cache/smollm2 \\
+        --tokens-per-batch 2048 --steps 8 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def synthetic_store(root: Path, target: str, samples: int, length: int, draft_vocab: int) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    from draftflow.capture.layers import capture_layers
+    from draftflow.capture.store import ShardWriter
+    from draftflow.io import read_json
+    from draftflow.train.vocab import write_vocab
+
+    layers = capture_layers(target)
+    vocab_size = int(read_json(Path(target) / "config.json")["vocab_size"])
+    generator = torch.Generator().manual_seed(0)
+    dirs = {}
+    for split, count in (("train", samples), ("val", 2)):
+        out = root / split / "shard-00000"
+        writer = ShardWriter(
+            out,
+            layer_ids=layers.layer_ids,
+            aux_layer_ids=layers.aux_layer_ids,
+            hidden_size=layers.hidden_size,
+            meta={"backend": "synthetic"},
+        )
+        for n in range(count):
+            ids = torch.randint(0, vocab_size, (length,), generator=generator, dtype=torch.int32)
+            states = torch.randn(
+                length, len(layers.layer_ids), layers.hidden_size, generator=generator
+            )
+            writer.add(f"{split}{n}", ids, torch.ones(length, dtype=torch.int8), states)
+        writer.close()
+        dirs[split] = [str(out)]
+    freq = torch.randint(0, 1000, (vocab_size,), generator=generator, dtype=torch.int64)
+    save_file({"token_freq": freq}, str(root / "token_freq.safetensors"))
+    write_vocab(
+        root / "token_freq.safetensors",
+        root / "vocab.safetensors",
+        root / "vocab.json",
+        draft_vocab,
+    )
+    return dirs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="resources/target")
+    parser.add_argument("--tokens-per-batch", type=int, default=2048)
+    parser.add_argument("--sample-length", type=int, default=512)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    from draftflow.train.loop import TrainJob, train
+    from draftflow.train.metrics import read_metrics
+    from draftflow.train.settings import TrainSettings
+
+    with tempfile.TemporaryDirectory(prefix="train-throughput-") as tmp:
+        root = Path(tmp)
+        per_batch = max(1, args.tokens_per_batch // (args.sample_length - 1))
+        dirs = synthetic_store(
+            root, args.target, per_batch * args.steps, args.sample_length, args.draft_vocab
+        )
+        settings = TrainSettings(
+            num_layers=args.num_layers,
+            ttt_steps=args.ttt_steps,
+            tokens_per_batch=args.tokens_per_batch,
+            max_steps=args.steps,
+            eval_every=10**9,
+            checkpoint_every=10**9,
+            threads=args.threads,
+        )
+        job = TrainJob(
+            target_dir=args.target,
+            vocab_path=str(root / "vocab.safetensors"),
+            train_shards=dirs["train"],
+            val_shards=dirs["val"],
+            draft_dir=str(root / "draft"),
+            metrics_path=str(root / "metrics.jsonl"),
+            checkpoint_dir=str(root / "checkpoints"),
+            settings=settings,
+        )
+        train(job)
+        steps = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
+    timed = [r["tokens_per_s"] for r in steps[args.warmup :]]
+    result = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
+        "device": "cuda" if _cuda() else "cpu",
+        "threads": args.threads,
+        "tokens_per_batch": args.tokens_per_batch,
+        "draft_vocab": args.draft_vocab,
+        "num_layers": args.num_layers,
+        "ttt_steps": args.ttt_steps,
+        "timed_steps": len(timed),
+        "tokens_per_s_median": statistics.median(timed),
+        "tokens_per_s_min": min(timed),
+        "tokens_per_s_max": max(timed),
+    }
+    print(json.dumps(result, indent=2))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

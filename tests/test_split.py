@@ -69,3 +69,13 @@ def test_split_files_partition_the_samples_and_summary_counts(tmp_path):
 def test_bad_fractions_are_rejected(val, test):
     with pytest.raises(ValueError, match="fraction"):
         assign_split("x", 0, val, test)
+
+
+def test_corpus_subset_and_split_are_independent() -> None:
+    # Regression: both used one hash, so the lowest-ranked subset landed entirely in val.
+    from draftflow.corpus.formats import subset_rank
+
+    ids = [f"sharegpt-{index}" for index in range(20_000)]
+    subset = sorted(ids, key=lambda cid: subset_rank(0, cid))[:400]
+    splits = [assign_split(cid, 0, 0.05, 0.0) for cid in subset]
+    assert 0.9 < splits.count("train") / len(subset) < 0.99

@@ -339,3 +339,50 @@ def test_data_parallel_over_two_ranks(trained, tiny_store, tmp_path):
     # Validation covers every val position exactly once, as in a single process.
     single = read_metrics(trained["out"] / "metrics.jsonl")[0]
     assert [r["positions"] for r in records if r["kind"] == "val"] == [single["positions"]] * 2
+
+
+@pytest.mark.workflow
+def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
+    """rules vocab and train on finished upstream files (only they may run), then a resumed rerun."""
+    import shutil
+
+    import yaml
+
+    work = tmp_path / "work"
+    (work / "resources").mkdir(parents=True)
+    (work / "resources" / "target").symlink_to(tiny_store["target"])
+    (work / "results" / "tokenize").mkdir(parents=True)
+    shutil.copy(tiny_store["root"] / "token_freq.safetensors", work / "results" / "tokenize")
+    for split in ("train", "val"):
+        for shard in tiny_store[split]:
+            shutil.copytree(shard, work / "results" / "extract" / split / Path(shard).name)
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["vocab"]["draft_vocab_size"] = DRAFT_VOCAB
+    config["train"].update(
+        max_steps=8, tokens_per_batch=128, eval_every=4, checkpoint_every=4, threads=THREADS
+    )
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    command = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(work / "config.yaml"),
+        "--cores",
+        "2",
+        "--allowed-rules",
+        "vocab",
+        "train",
+        "--",
+        "results/train/draft",
+    ]
+    run = subprocess.run(command, cwd=work, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((work / "results" / "vocab" / "summary.json").read_text())
+    assert summary["draft_vocab_size"] == DRAFT_VOCAB and summary["coverage"] == 1.0
+    draft = work / "results" / "train" / "draft"
+    assert json.loads((draft / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    records = read_metrics(work / "results" / "train" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "val"] == [0, 4, 8]
+    assert (work / "results" / "train" / "checkpoints" / "latest.json").is_file()
+    assert "train done" in (work / "logs" / "train.log").read_text()

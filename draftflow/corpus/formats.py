@@ -186,5 +186,5 @@ def subset_rank(seed: int, conversation_id: str) -> int:
 
     A pure function of (seed, id), so a larger subset is always a superset of a smaller one.
     """
-    digest = hashlib.sha256(f"{seed}:{conversation_id}".encode()).digest()
+    digest = hashlib.sha256(f"subset:{seed}:{conversation_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big")

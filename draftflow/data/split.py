@@ -28,7 +28,9 @@ def _check_fractions(val_fraction: float, test_fraction: float) -> None:
 
 def split_point(conversation_id: str, seed: int) -> float:
     """Map (id, seed) to [0, 1) with SHA-256: stable across runs, machines and Python versions."""
-    digest = hashlib.sha256(f"{seed}:{conversation_id}".encode()).digest()
+    # Salted apart from the corpus subset hash (draftflow.corpus.formats.subset_rank): with the
+    # same hash, a subset of the lowest ranks would fall entirely into val.
+    digest = hashlib.sha256(f"split:{seed}:{conversation_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 

@@ -11,6 +11,8 @@ rule prompts:
         "benchmarks/bench/prompts/{dataset}.tsv"
     wildcard_constraints:
         dataset=bench_dataset_pattern(),
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("default"),
@@ -36,6 +38,8 @@ rule bench:
         "benchmarks/bench/{dataset}.tsv"
     wildcard_constraints:
         dataset=bench_dataset_pattern(),
+    conda:
+        "../envs/draftflow.yaml"
     threads: bench_threads()
     resources:
         mem_mb=mem_mb("bench"),

@@ -5,7 +5,6 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-
 validate(config, schema="../config/schema.yaml")
 
 
@@ -70,7 +69,9 @@ def mem_mb(stage):
 
 
 def extract_gpus():
-    return int(config["extract"].get("tp_size", 1)) if config["extract"].get("use_gpu", False) else 0
+    return (
+        int(config["extract"].get("tp_size", 1)) if config["extract"].get("use_gpu", False) else 0
+    )
 
 
 def train_gpus():

@@ -12,6 +12,8 @@ rule ingest:
         "logs/ingest.log",
     benchmark:
         "benchmarks/ingest.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("ingest"),
@@ -36,6 +38,8 @@ rule regenerate:
         "logs/regenerate.log",
     benchmark:
         "benchmarks/regenerate.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 2
     resources:
         mem_mb=mem_mb("regenerate"),

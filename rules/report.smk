@@ -49,6 +49,8 @@ rule report:
         "logs/report.log",
     benchmark:
         "benchmarks/report.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("default"),

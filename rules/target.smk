@@ -6,12 +6,13 @@ rule prepare_target:
         "logs/prepare_target.log",
     benchmark:
         "benchmarks/prepare_target.tsv"
-    params:
-        target=config["target"],
-        out_dir=target_dir(),
-        code=stage_code("prepare_target"),
+    conda:
+        "../envs/draftflow.yaml"
     threads: 2
     resources:
         mem_mb=mem_mb("prepare_target"),
+    params:
+        target=config["target"],
+        code=stage_code("prepare_target"),
     script:
         "../scripts/prepare_target.py"

@@ -13,6 +13,8 @@ rule tokenize:
         "logs/tokenize.log",
     benchmark:
         "benchmarks/tokenize.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("tokenize"),
@@ -42,6 +44,8 @@ rule split:
         "logs/split.log",
     benchmark:
         "benchmarks/split.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("split"),
@@ -66,6 +70,8 @@ rule shard:
         "logs/shard.log",
     benchmark:
         "benchmarks/shard.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("shard"),

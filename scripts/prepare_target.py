@@ -1,12 +1,14 @@
 """Rule prepare_target: the target as a bf16 HF checkpoint under resources/target."""
 
+from pathlib import Path
+
 from draftflow.target.prepare import prepare_target
 from draftflow.workflow.script import setup_logging
 
 setup_logging(snakemake)
 target = snakemake.params.target
 prepare_target(
-    snakemake.params.out_dir,
+    Path(snakemake.output.config).parent,
     source=target["source"],
     gguf=target.get("gguf"),
     path=target.get("path"),

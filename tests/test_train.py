@@ -343,7 +343,7 @@ def test_data_parallel_over_two_ranks(trained, tiny_store, tmp_path):
 
 @pytest.mark.workflow
 def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
-    """rules vocab and train on finished upstream files (only they may run), then a resumed rerun."""
+    """rules vocab and train through snakemake on finished upstream files (only they may run)."""
     import shutil
 
     import yaml

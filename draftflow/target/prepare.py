@@ -105,7 +105,9 @@ def _dequantize_gguf(gguf_path: Path, out: Path, dtype: str) -> str:
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     missing = [key for key in missing if not _is_tied(key, config)]
     if missing or unexpected:
-        raise RuntimeError(f"GGUF weights do not fit the model: missing={missing} unexpected={unexpected}")
+        raise RuntimeError(
+            f"GGUF weights do not fit the model: missing={missing} unexpected={unexpected}"
+        )
     model.to(torch_dtype).save_pretrained(out, safe_serialization=True)
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

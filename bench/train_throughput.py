@@ -73,18 +73,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=0, help="> 1: data parallel under torchrun")
     args = parser.parse_args(argv)
 
-    from draftflow.train.loop import TrainJob, train
+    from draftflow.train.cli import launch
+    from draftflow.train.loop import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 
     with tempfile.TemporaryDirectory(prefix="train-throughput-") as tmp:
         root = Path(tmp)
         per_batch = max(1, args.tokens_per_batch // (args.sample_length - 1))
-        dirs = synthetic_store(
-            root, args.target, per_batch * args.steps, args.sample_length, args.draft_vocab
-        )
+        samples = per_batch * args.steps * max(1, args.gpus)
+        dirs = synthetic_store(root, args.target, samples, args.sample_length, args.draft_vocab)
         settings = TrainSettings(
             num_layers=args.num_layers,
             ttt_steps=args.ttt_steps,
@@ -104,12 +105,14 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint_dir=str(root / "checkpoints"),
             settings=settings,
         )
-        train(job)
+        launch(job, args.gpus)
         steps = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
+    # With several ranks a step's tokens and tokens/s are summed over them.
     timed = [r["tokens_per_s"] for r in steps[args.warmup :]]
     result = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
+        "machine": _machine(),
         "device": "cuda" if _cuda() else "cpu",
+        "gpus": args.gpus,
         "threads": args.threads,
         "tokens_per_batch": args.tokens_per_batch,
         "draft_vocab": args.draft_vocab,
@@ -121,6 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         "tokens_per_s_max": max(timed),
     }
     print(json.dumps(result, indent=2))
+
+
+def _machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"{platform.machine()} {platform.processor()} {os.cpu_count()} CPUs"
 
 
 def _cuda() -> bool:

@@ -2,11 +2,20 @@
 
 # vLLM starts its workers with spawn, which re-imports this file: everything stays under the guard.
 if __name__ == "__main__":
+    import os
+    import sys
+
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.workflow.gpu import gpu_lease
     from draftflow.workflow.script import setup_logging
 
     log = setup_logging(snakemake)
+    if snakemake.log:
+        # vLLM's engine and worker processes write to the inherited stdout/stderr descriptors:
+        # point those at the log too, not only Python's sys.stderr.
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), 1)
+        os.dup2(sys.stderr.fileno(), 2)
     settings = ExtractSettings.from_config(
         snakemake.params.extract,
         trust_remote_code=snakemake.params.trust_remote_code,

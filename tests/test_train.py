@@ -386,3 +386,17 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "val"] == [0, 4, 8]
     assert (work / "results" / "train" / "checkpoints" / "latest.json").is_file()
     assert "train done" in (work / "logs" / "train.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"loss": "kl"}, r"train.loss 'kl': Unknown loss function 'kl'"),
+        ({"optimizer": "sgd"}, r"train.optimizer 'sgd' is not one of \('adamw', 'muon'\)"),
+        ({"ttt_steps": 0}, r"train.ttt_steps must be >= 1, got 0"),
+        ({"epoch": 3}, r"unknown train settings \['epoch'\]"),
+    ],
+)
+def test_bad_train_settings_are_named(section, message):
+    with pytest.raises(ValueError, match=message):
+        TrainSettings.from_config(section)

@@ -1,1 +1,1 @@
-"""draftflow.train"""
+"""Draft vocabulary and EAGLE-3 draft training around speculators (docs/training.md)."""

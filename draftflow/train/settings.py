@@ -58,6 +58,13 @@ class TrainSettings:
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        # speculators names the losses; fail at start, not after the data is loaded.
+        from speculators.losses import resolve_loss_config
+
+        try:
+            resolve_loss_config(self.loss, "eager")
+        except ValueError as error:
+            raise ValueError(f"train.loss {self.loss!r}: {error}") from None
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
 

@@ -16,6 +16,8 @@ rule extract:
     wildcard_constraints:
         split="train|val",
         shard=r"shard-\d{5}",
+    conda:
+        "../envs/draftflow.yaml"
     threads: int(config["extract"].get("threads", 2))
     resources:
         mem_mb=mem_mb("extract"),

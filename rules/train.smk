@@ -14,6 +14,8 @@ rule vocab:
         "logs/vocab.log",
     benchmark:
         "benchmarks/vocab.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: 1
     resources:
         mem_mb=mem_mb("vocab"),
@@ -37,6 +39,8 @@ rule train:
         "logs/train.log",
     benchmark:
         "benchmarks/train.tsv"
+    conda:
+        "../envs/draftflow.yaml"
     threads: train_threads()
     resources:
         mem_mb=mem_mb("train"),

@@ -23,6 +23,7 @@ defaults to Model Runner V2 for some models (no ``input_batch``): the backend tu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -38,6 +39,19 @@ class V1RunnerAdapter:
     MAX_EXCLUSIVE = Version("0.33")
     # Environment for the engine: keep the V1 runner where V2 would be the default.
     ENGINE_ENV: ClassVar[dict[str, str]] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+    @classmethod
+    def kv_cache_env(cls, vllm_version: str, kv_cache_memory_bytes: int) -> dict[str, str]:
+        """Environment that sizes the KV cache where ``kv_cache_memory_bytes`` is ignored.
+
+        vLLM's CPU worker before 0.17 takes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (whole
+        GiB) and otherwise claims half the machine's RAM, whatever the engine arguments say.
+        """
+        version = Version(Version(vllm_version).base_version)
+        if version >= Version("0.17") or "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+            return {}
+        gib = max(1, -(-kv_cache_memory_bytes // (1 << 30)))
+        return {"VLLM_CPU_KVCACHE_SPACE": str(gib)}
 
     @classmethod
     def supports(cls, vllm_version: str) -> bool:

@@ -77,6 +77,10 @@ class HooksBackend:
         self.vllm_version = installed_vllm_version()
         adapter = select_adapter(self.vllm_version)
         os.environ.update(adapter.ENGINE_ENV)
+        if settings.kv_cache_memory_bytes is not None:
+            os.environ.update(
+                adapter.kv_cache_env(self.vllm_version, settings.kv_cache_memory_bytes)
+            )
         from vllm import LLM
 
         self.layer_ids = list(layer_ids)

@@ -24,7 +24,6 @@ rule extract:
         gpu=extract_gpus(),
     params:
         code=stage_code("extract"),
-        target_dir=target_dir(),
         extract=extract_settings(),
         trust_remote_code=config["target"].get("trust_remote_code", False),
     script:

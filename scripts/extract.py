@@ -4,6 +4,7 @@
 if __name__ == "__main__":
     import os
     import sys
+    from pathlib import Path
 
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.workflow.gpu import gpu_lease
@@ -23,7 +24,7 @@ if __name__ == "__main__":
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
         manifest = run_extract(
             snakemake.input.shard,
-            snakemake.params.target_dir,
+            Path(snakemake.input.target).parent,
             snakemake.output[0],
             settings,
         )

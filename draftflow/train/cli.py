@@ -36,9 +36,15 @@ def launch(job: TrainJob, gpus: int) -> None:
         "draftflow.train.cli",
         str(job_path),
     ]
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:
+        # torchrun would set 1: too few to pack each step's batch (hundreds of MB of hidden
+        # states) in time: on 2 H200s 35k tokens/s with 1 thread, 120k with 8 (docs/benchmarks.md).
+        cpus = len(os.sched_getaffinity(0))
+        env["OMP_NUM_THREADS"] = str(job.settings.threads or max(1, cpus // gpus))
     log.info("launching %s", " ".join(command))
     # Workers inherit stderr, so their logs land in the rule's log file.
-    subprocess.run(command, check=True, stderr=sys.stderr, stdout=sys.stderr)
+    subprocess.run(command, check=True, env=env, stderr=sys.stderr, stdout=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,8 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -180,6 +182,57 @@ def pad_batches(placement: Placement) -> bool:
     return placement.device.type == "cuda"
 
 
+def train_batches(
+    plan: TrainPlan,
+    shards: ShardSet,
+    start: int,
+    end: int,
+    settings: TrainSettings,
+    placement: Placement,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches of steps ``start .. end - 1``, in order, on the training device.
+
+    On GPUs the next step's batch is read, packed, pinned and copied to the GPU on a side stream
+    in a background thread while the current step runs. Done inline, the reads and the copy
+    (about 270 MB a step for an 8B-shaped target) left the GPU idle between steps.
+    """
+
+    def make(step: int) -> dict[str, torch.Tensor]:
+        return collate(
+            shards,
+            plan.batch(step, placement.rank),
+            settings.tokens_per_batch,
+            hidden_dtype(placement),
+            pad_batches(placement),
+        )
+
+    if placement.device.type != "cuda":
+        for step in range(start, end):
+            yield make(step)
+        return
+    copy_stream = torch.cuda.Stream(placement.device)
+
+    def make_on_device(step: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+        pinned = {k: v.pin_memory() for k, v in make(step).items()}
+        with torch.cuda.stream(copy_stream):
+            batch = {k: v.to(placement.device, non_blocking=True) for k, v in pinned.items()}
+            ready = torch.cuda.Event()
+            ready.record(copy_stream)
+        return batch, ready
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") as pool:
+        pending = pool.submit(make_on_device, start) if start < end else None
+        for step in range(start, end):
+            batch, ready = pending.result()
+            compute = torch.cuda.current_stream(placement.device)
+            compute.wait_event(ready)
+            for value in batch.values():
+                # Memory made on the copy stream: keep it alive until the step's kernels finish.
+                value.record_stream(compute)
+            pending = pool.submit(make_on_device, step + 1) if step + 1 < end else None
+            yield batch
+
+
 def to_device(batch: dict[str, torch.Tensor], placement: Placement) -> dict[str, torch.Tensor]:
     return {k: v.to(placement.device, non_blocking=True) for k, v in batch.items()}
 
@@ -279,23 +332,14 @@ def train(job: TrainJob) -> dict | None:
         total=end,
     )
     last_val: dict | None = None
+    batches = train_batches(plan, train_shards, start, end, settings, placement)
     for step in progress:
         started = time.perf_counter()
         factor = lr_factor(step, settings, plan.total_steps)
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * factor
-        refs = plan.batch(step, placement.rank)
-        batch = to_device(
-            collate(
-                train_shards,
-                refs,
-                settings.tokens_per_batch,
-                hidden_dtype(placement),
-                pad_batches(placement),
-            ),
-            placement,
-        )
+        batch = next(batches)
         with autocast(placement.device):
             _, loss, metrics = model(**batch, **call_kwargs)
         for optimizer in optimizers:
@@ -342,6 +386,7 @@ def train(job: TrainJob) -> dict | None:
             if placement.world_size > 1:
                 dist.barrier()
     progress.close()
+    batches.close()
 
     summary = None
     if placement.is_main:

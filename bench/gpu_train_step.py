@@ -1,0 +1,362 @@
+"""Draft training at real size on GPUs: our loop vs speculators' own step, same model and shape.
+
+An EAGLE-3 draft (1 decoder layer) for a Llama-3.1-8B-shaped target: hidden 4096, intermediate
+14336, 32 heads, 8 KV heads, 32 layers, vocab 128256, draft vocab 32000, 3 aux layers,
+2048-token samples packed 8192 tokens per step, ttt_steps 3, bf16 autocast, AdamW, eager KL loss.
+Everything is synthetic: the target's embedding, lm_head and final norm are random tensors of the
+right shape, the hidden states in the capture store are random (written with the capture stage's
+``ShardWriter``), and the draft vocabulary comes from random token counts.
+
+Three sub-commands (results go to docs/benchmarks.md, section "GPU training")::
+
+    python bench/gpu_train_step.py prepare --root /tmp/gts
+    python bench/gpu_train_step.py ours --root /tmp/gts            # draftflow.train.loop.train
+    torchrun --nproc-per-node 2 bench/gpu_train_step.py ours --root /tmp/gts   # its DDP path
+    python bench/gpu_train_step.py speculators --root /tmp/gts     # speculators' trainer step
+
+``ours`` runs the project's whole training path (shard reading, packing, collate, the train
+step, metrics) and reports the median of its logged per-step tokens/s. ``speculators`` runs the
+step of speculators' ``Trainer`` (autocast forward, backward, clip, AdamW step; metrics synced
+only at the end) on batches already resident on the GPU, so its figure has no data-loading cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+TARGET_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+BF16_DENSE_PEAK = 989e12  # H200 SXM datasheet, dense bf16
+
+
+def prepare(root: Path, samples: int, length: int, draft_vocab: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from draftflow.capture.layers import capture_layers
+    from draftflow.capture.store import ShardWriter
+    from draftflow.io import atomic_write_json
+    from draftflow.train.vocab import write_vocab
+
+    generator = torch.Generator().manual_seed(0)
+    target = root / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(target / "config.json", TARGET_CONFIG)
+    vocab, hidden = TARGET_CONFIG["vocab_size"], TARGET_CONFIG["hidden_size"]
+    weights = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator) * 0.02,
+        "lm_head.weight": torch.randn(vocab, hidden, generator=generator) * 0.02,
+        "model.norm.weight": torch.ones(hidden),
+    }
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in weights.items()}, str(target / "model.safetensors")
+    )
+    layers = capture_layers(target)
+    for split, count in (("train", samples), ("val", 4)):
+        writer = ShardWriter(
+            root / split / "shard-00000",
+            layer_ids=layers.layer_ids,
+            aux_layer_ids=layers.aux_layer_ids,
+            hidden_size=layers.hidden_size,
+            meta={"backend": "synthetic"},
+            chunk_samples=8,
+        )
+        for n in range(count):
+            ids = torch.randint(0, vocab, (length,), generator=generator, dtype=torch.int32)
+            states = torch.randn(length, len(layers.layer_ids), hidden, generator=generator)
+            writer.add(f"{split}{n}", ids, torch.ones(length, dtype=torch.int8), states.bfloat16())
+        writer.close()
+    freq = torch.randint(0, 1000, (vocab,), generator=generator, dtype=torch.int64)
+    save_file({"token_freq": freq}, str(root / "token_freq.safetensors"))
+    write_vocab(
+        root / "token_freq.safetensors",
+        root / "vocab.safetensors",
+        root / "vocab.json",
+        draft_vocab,
+    )
+    print(json.dumps({"prepared": str(root), "train_samples": samples, "length": length}))
+
+
+def flop_count(model, ttt_steps: int, sample_length: int) -> dict:
+    """Training FLOPs per packed token, from the model's linear layers and the attention.
+
+    Linear y = xW (n = in * out weights): forward 2n; backward 2n for the input gradient and 2n
+    more for a trainable weight. So 6n for a trainable layer, 4n for a frozen one that still
+    passes gradients back (none here), 2n for the no-grad target head. ``fc`` runs once per
+    token, the decoder layer and the draft head once per TTT step, the target's head once.
+    Attention per TTT step k: each query scores its causal keys inside its document, on average
+    (L + 1) / 2, plus k keys of the earlier TTT steps; QK^T and PV cost 4 * q_dim flops per key
+    forward, backward twice that. Norms, RoPE, the loss and the optimizer are not counted.
+    """
+    import torch
+
+    per_token = 0.0
+    parts: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        n = module.in_features * module.out_features
+        trainable = module.weight.requires_grad
+        if name.startswith("verifier_lm_head"):
+            flops = 2 * n
+        elif name.startswith("fc"):
+            flops = (6 if trainable else 2) * n
+        else:
+            flops = ttt_steps * (6 if trainable else 4) * n
+        parts[name] = {"weights": n, "trainable": trainable, "flops_per_token": flops}
+        per_token += flops
+    layer = model.layers[0].self_attn
+    q_dim = layer.q_proj.out_features
+    avg_keys = (sample_length - 1 + 1) / 2
+    attention = sum(3 * 4 * q_dim * (avg_keys + k) for k in range(ttt_steps))
+    per_token += attention
+    return {"flops_per_token": per_token, "attention_flops_per_token": attention, "linears": parts}
+
+
+def make_job(root: Path, args: argparse.Namespace):
+    from draftflow.train.loop import TrainJob
+    from draftflow.train.settings import TrainSettings
+
+    settings = TrainSettings(
+        num_layers=1,
+        ttt_steps=args.ttt_steps,
+        tokens_per_batch=args.tokens_per_batch,
+        max_steps=args.steps,
+        eval_every=10**9,
+        checkpoint_every=10**9,
+        log_every=10,
+        warmup_steps=2,
+        optimizer="adamw",
+        loss_implementation="eager",
+        device="cuda",
+    )
+    tag = f"run-{int(os.environ.get('WORLD_SIZE', '1'))}"
+    return TrainJob(
+        target_dir=str(root / "target"),
+        vocab_path=str(root / "vocab.safetensors"),
+        train_shards=[str(root / "train" / "shard-00000")],
+        val_shards=[str(root / "val" / "shard-00000")],
+        draft_dir=str(root / tag / "draft"),
+        metrics_path=str(root / tag / "metrics.jsonl"),
+        checkpoint_dir=str(root / tag / "checkpoints"),
+        settings=settings,
+    )
+
+
+def run_ours(root: Path, args: argparse.Namespace) -> dict | None:
+    import torch
+
+    from draftflow.train.loop import train
+    from draftflow.train.metrics import read_metrics
+
+    job = make_job(root, args)
+    torch.cuda.reset_peak_memory_stats()
+    train(job)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    rank = int(os.environ.get("RANK", "0"))
+    print(json.dumps({"rank": rank, "peak_gib": round(peak, 2)}), flush=True)
+    if rank != 0:
+        return None
+    steps = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
+    timed = steps[args.warmup :]
+    rates = [r["tokens_per_s"] for r in timed]
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    return {
+        "impl": "draftflow.train.loop",
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "timed_steps": len(timed),
+        "tokens_per_step_all_ranks": timed[-1]["tokens"],
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "tokens_per_s_overall": sum(r["tokens"] for r in timed) / seconds,
+        "peak_gib_rank0": round(peak, 2),
+        "first_step_s": round(steps[0]["tokens"] / steps[0]["tokens_per_s"], 1),
+        "final_loss": timed[-1]["loss"],
+    }
+
+
+def run_speculators(root: Path, args: argparse.Namespace) -> dict:
+    import torch
+    from speculators.losses import resolve_loss_config
+
+    from draftflow.train.data import ShardSet, TrainPlan, collate
+    from draftflow.train.loop import build_optimizers
+    from draftflow.train.model import build_draft_model
+    from draftflow.train.vocab import read_vocab
+
+    job = make_job(root, args)
+    settings = job.settings
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    shards = ShardSet(job.train_shards)
+    d2t, t2d = read_vocab(job.vocab_path)
+    # speculators' Eagle3DraftModel.from_training_args, the call its trainer's CLI makes.
+    model = build_draft_model(
+        job.target_dir,
+        shards.aux_layer_ids,
+        d2t,
+        t2d,
+        num_layers=1,
+        ttt_steps=settings.ttt_steps,
+        attn_impl="simple_flex_attention",
+    ).to(device)
+    optimizers = build_optimizers(model, settings)
+    call_kwargs = {
+        "ttt_steps": settings.ttt_steps,
+        "ttt_step_loss_decay": 1.0,
+        "loss_config": resolve_loss_config("kl_div", args.loss_impl),
+    }
+    plan = TrainPlan(shards, settings.tokens_per_batch, 1, 0)
+    resident = [
+        {
+            k: v.to(device)
+            for k, v in collate(
+                shards, plan.batch(i), settings.tokens_per_batch, torch.bfloat16, True
+            ).items()
+        }
+        for i in range(min(4, plan.total_steps))
+    ]
+    tokens = [int((b["document_ids"] >= 0).sum()) for b in resident]
+    torch.cuda.reset_peak_memory_stats()
+    events = []
+    first = None
+    for step in range(args.steps):
+        batch = resident[step % len(resident)]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        wall = time.perf_counter()
+        begin.record()
+        # speculators.train.trainer.Trainer's step, minus its logging.
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss, _metrics = model(**batch, **call_kwargs)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for optimizer in optimizers:
+            optimizer.step()
+        end.record()
+        events.append((begin, end, tokens[step % len(resident)]))
+        if step == 0:
+            torch.cuda.synchronize()
+            first = time.perf_counter() - wall
+        if step == args.warmup - 1:
+            torch.cuda.synchronize()
+            window = time.perf_counter()
+    torch.cuda.synchronize()
+    window = time.perf_counter() - window
+    timed = events[args.warmup :]
+    rates = [n / (b.elapsed_time(e) / 1000) for b, e, n in timed]
+    return {
+        "impl": f"speculators step ({args.loss_impl} loss), batches resident on the GPU",
+        "world_size": 1,
+        "timed_steps": len(timed),
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "tokens_per_s_overall": sum(n for _, _, n in timed) / window,
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "first_step_s": round(first, 1),
+        "final_loss": float(loss),
+        **{
+            k: v
+            for k, v in flop_count(model, settings.ttt_steps, args.sample_length).items()
+            if k != "linears"
+        },
+        "linears": flop_count(model, settings.ttt_steps, args.sample_length)["linears"],
+    }
+
+
+def allreduce(numel: int, repeats: int = 10) -> dict:
+    """NCCL all-reduce of one fp32 tensor the size of the draft's gradients (torchrun workers)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    grads = torch.randn(numel, device="cuda")
+    for _ in range(3):
+        dist.all_reduce(grads)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(grads)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - began) / repeats
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    # NCCL's "bus bandwidth": what each GPU sends and receives in a ring all-reduce.
+    bus = 2 * (world - 1) / world * numel * 4 / seconds
+    return {"impl": "nccl all_reduce", "numel": numel, "ms": seconds * 1e3, "bus_gb_s": bus / 1e9}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["prepare", "ours", "speculators", "allreduce"])
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--sample-length", type=int, default=2048)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--tokens-per-batch", type=int, default=8192)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--loss-impl", default="eager", choices=["eager", "fused"])
+    parser.add_argument("--numel", type=int, default=293_666_816, help="allreduce: fp32 values")
+    parser.add_argument("--out", type=Path, help="append the result as one JSON line")
+    args = parser.parse_args(argv)
+    if args.what == "prepare":
+        prepare(args.root, args.samples, args.sample_length, args.draft_vocab)
+        return
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.what == "allreduce":
+        result = allreduce(args.numel)
+        if os.environ.get("RANK", "0") != "0":
+            return
+    elif args.what == "ours":
+        result = run_ours(args.root, args)
+    else:
+        result = run_speculators(args.root, args)
+    if result is None:
+        return
+    import torch
+
+    result["machine"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    result["torch"] = torch.__version__
+    print("RESULT " + json.dumps({k: v for k, v in result.items() if k != "linears"}), flush=True)
+    if args.out:
+        with open(args.out, "a") as handle:
+            handle.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

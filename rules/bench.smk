@@ -43,6 +43,7 @@ rule bench:
     threads: bench_threads()
     resources:
         mem_mb=mem_mb("bench"),
+        gpu=vllm_gpus(),
     params:
         bench=bench_settings(),
         dtype=bench_dtype(),

@@ -74,6 +74,15 @@ def extract_gpus():
     )
 
 
+def vllm_gpus():
+    """GPUs of a job that starts vLLM engines besides extract (regenerate, bench).
+
+    One vLLM build serves every stage, so they follow extract's switch: tp_size GPUs when
+    extract.use_gpu is on, none on the CPU demo.
+    """
+    return extract_gpus()
+
+
 def train_gpus():
     """GPUs of the train job; more than one runs data parallel under torchrun."""
     return int(config.get("resources", {}).get("train_gpus", 0))

@@ -43,6 +43,7 @@ rule regenerate:
     threads: 2
     resources:
         mem_mb=mem_mb("regenerate"),
+        gpu=vllm_gpus(),
     params:
         settings=regenerate_settings(),
         trust_remote_code=config["target"]["trust_remote_code"],

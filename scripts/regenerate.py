@@ -9,6 +9,7 @@ from draftflow.corpus.regenerate import (
     read_conversations,
     regenerate,
 )
+from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging
 
 if __name__ == "__main__":  # vLLM starts its engine worker with spawn
@@ -18,23 +19,24 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     settings = RegenerateSettings.from_config(section)
     max_model_len = int(section.get("max_model_len", 2048))
     conversations = read_conversations(snakemake.input.conversations)
-    llm = make_engine(
-        model_dir,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.1)),
-        kv_cache_memory_bytes=section.get("kv_cache_memory_bytes"),
-        trust_remote_code=snakemake.params.trust_remote_code,
-        seed=settings.seed,
-    )
-    regenerate(
-        conversations,
-        llm,
-        settings,
-        output=snakemake.output.conversations,
-        summary=snakemake.output.summary,
-        progress=snakemake.params.progress,
-        run_fingerprint=fingerprint(
-            snakemake.input.conversations, model_dir, settings, max_model_len
-        ),
-        max_model_len=max_model_len,
-    )
+    with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
+        llm = make_engine(
+            model_dir,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.1)),
+            kv_cache_memory_bytes=section.get("kv_cache_memory_bytes"),
+            trust_remote_code=snakemake.params.trust_remote_code,
+            seed=settings.seed,
+        )
+        regenerate(
+            conversations,
+            llm,
+            settings,
+            output=snakemake.output.conversations,
+            summary=snakemake.output.summary,
+            progress=snakemake.params.progress,
+            run_fingerprint=fingerprint(
+                snakemake.input.conversations, model_dir, settings, max_model_len
+            ),
+            max_model_len=max_model_len,
+        )

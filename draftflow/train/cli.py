@@ -15,6 +15,7 @@ from pathlib import Path
 
 from draftflow.io import atomic_write_text
 from draftflow.train.loop import TrainJob, train
+from draftflow.workflow.cpu_threads import available_cores
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def launch(job: TrainJob, gpus: int) -> None:
     if "OMP_NUM_THREADS" not in env:
         # torchrun would set 1: too few to pack each step's batch (hundreds of MB of hidden
         # states) in time: on 2 H200s 35k tokens/s with 1 thread, 120k with 8 (docs/benchmarks.md).
-        cpus = len(os.sched_getaffinity(0))
+        cpus = available_cores()
         env["OMP_NUM_THREADS"] = str(job.settings.threads or max(1, cpus // gpus))
     log.info("launching %s", " ".join(command))
     # Workers inherit stderr, so their logs land in the rule's log file.

@@ -169,6 +169,7 @@ def collate(
     tokens_per_batch: int,
     hidden_dtype: torch.dtype,
     pad: bool = False,
+    pin: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One packed sequence ``[1, T, ...]`` in the layout ``Eagle3DraftModel.forward`` expects.
 
@@ -176,6 +177,11 @@ def collate(
     and the target's final state at t+1 (whose next-token distribution is the training target).
     ``pad`` fills the batch up to ``tokens_per_batch`` as speculators' collate does (document id
     -1, no loss): compiled GPU kernels then see one shape instead of recompiling per batch.
+    ``pin`` allocates the hidden states in page-locked memory for an asynchronous GPU copy.
+
+    Hidden states (hundreds of MB a step for an 8B-shaped target) are copied once, from the
+    store's rows straight into the batch: gathering, concatenating, padding and pinning as
+    separate steps made four more copies and starved two GPUs (docs/benchmarks.md).
     """
     from speculators.models.eagle3 import shift_batch
 
@@ -185,31 +191,48 @@ def collate(
         raw = shards.read(ref)
         states = raw["hidden_states"]
         length = int(states.shape[0])
-        sample = {
-            "input_ids": raw["input_ids"].to(torch.long),
-            "hidden_states": states[:, shards.aux_positions].flatten(1),
-            "verifier_last_hidden_states": states[:, shards.final_position],
-            "loss_mask": raw["loss_mask"].to(torch.bool),
-            "lengths": torch.tensor([length], dtype=torch.long),
-            "position_ids": torch.arange(length, dtype=torch.long),
-        }
-        sample = shift_batch(sample)
+        # Views only: the layer selection happens in the copy below.
+        sample = shift_batch(
+            {
+                "input_ids": raw["input_ids"].to(torch.long),
+                "hidden_states": states,
+                "verifier_last_hidden_states": states,
+                "loss_mask": raw["loss_mask"].to(torch.bool),
+                "lengths": torch.tensor([length], dtype=torch.long),
+                "position_ids": torch.arange(length, dtype=torch.long),
+            }
+        )
         keep = min(int(sample["lengths"][0]), tokens_per_batch - used)
         if keep <= 0:
             break
         parts.append({k: v[:keep] for k, v in sample.items() if k != "lengths"})
         used += keep
-    document_ids = torch.cat(
+    total = tokens_per_batch if pad else used
+    aux, final = shards.aux_positions, shards.final_position
+    width = int(parts[0]["hidden_states"].shape[-1])
+    hidden = torch.empty((1, total, len(aux) * width), dtype=hidden_dtype, pin_memory=pin)
+    last = torch.empty((1, total, width), dtype=hidden_dtype, pin_memory=pin)
+    offset = 0
+    for part in parts:
+        rows = slice(offset, offset + part["input_ids"].shape[0])
+        for slot, layer in enumerate(aux):
+            hidden[0, rows, slot * width : (slot + 1) * width].copy_(
+                part["hidden_states"][:, layer]
+            )
+        last[0, rows].copy_(part["verifier_last_hidden_states"][:, final])
+        offset = rows.stop
+    hidden[0, used:].zero_()
+    last[0, used:].zero_()
+    small = ("input_ids", "loss_mask", "position_ids")
+    batch = {key: torch.cat([p[key] for p in parts]).unsqueeze(0) for key in small}
+    batch["document_ids"] = torch.cat(
         [torch.full((p["input_ids"].shape[0],), d, dtype=torch.long) for d, p in enumerate(parts)]
-    )
-    batch = {key: torch.cat([p[key] for p in parts]).unsqueeze(0) for key in parts[0]}
-    batch["hidden_states"] = batch["hidden_states"].to(hidden_dtype)
-    batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(hidden_dtype)
-    batch["document_ids"] = document_ids.unsqueeze(0)
-    missing = tokens_per_batch - used
-    if pad and missing > 0:
+    ).unsqueeze(0)
+    if total > used:
         for key, value in batch.items():
             fill = -1 if key == "document_ids" else 0
-            filler = value.new_full((1, missing, *value.shape[2:]), fill)
+            filler = value.new_full((1, total - used), fill)
             batch[key] = torch.cat([value, filler], dim=1)
+    batch["hidden_states"] = hidden
+    batch["verifier_last_hidden_states"] = last
     return batch

@@ -256,8 +256,8 @@ def uses_bf16(device: torch.device, precision: str) -> bool:
 
 
 def autocast(device: torch.device, precision: str = "auto"):
-    # bf16 matmuls with fp32 weights and optimizer state; on CPUs with AMX bf16 GEMMs run about
-    # 8x faster than fp32 ones (docs/benchmarks.md).
+    # bf16 matmuls with fp32 weights and optimizer state; on CPUs with AMX a bf16 GEMM of the
+    # draft's shape ran 4-7x faster than in fp32 (docs/benchmarks.md, "Training").
     if uses_bf16(device, precision):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -331,7 +331,8 @@ def train_batches(
             plan.batch(step, placement.rank),
             settings.tokens_per_batch,
             hidden_dtype(placement, settings.precision),
-            pad_batches(placement),
+            pad=pad_batches(placement),
+            pin=placement.device.type == "cuda",
         )
 
     if placement.device.type != "cuda":
@@ -341,7 +342,7 @@ def train_batches(
     copy_stream = torch.cuda.Stream(placement.device)
 
     def make_on_device(step: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
-        pinned = {k: v.pin_memory() for k, v in make(step).items()}
+        pinned = {k: v if v.is_pinned() else v.pin_memory() for k, v in make(step).items()}
         with torch.cuda.stream(copy_stream):
             batch = {k: v.to(placement.device, non_blocking=True) for k, v in pinned.items()}
             ready = torch.cuda.Event()

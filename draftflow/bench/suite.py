@@ -1,0 +1,46 @@
+"""The whole benchmark in one call (outside the workflow): every engine, then every table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from draftflow.bench.run import engine_request, run_engine
+from draftflow.bench.tables import write_dataset_results
+
+
+def run_benchmark(
+    *,
+    prompt_sets: dict[str, list[dict[str, Any]]],
+    target: str,
+    draft: str,
+    ks: list[int],
+    out_dir: str | Path,
+    reserved_cpus: int | None = 1,
+    **request: Any,
+) -> dict[str, pd.DataFrame]:
+    """The plain target and each k over every prompt set: ``out_dir/engines/k{k}.json``, then
+    ``out_dir/{dataset}.csv`` and ``out_dir/{dataset}/outputs.jsonl`` per prompt set.
+
+    ``request`` takes ``engine_request``'s keyword arguments (sampling, repeats, engine).
+    """
+    if sorted(set(ks)) != sorted(ks) or any(k < 1 for k in ks):
+        raise ValueError(f"num_speculative_tokens must be distinct integers >= 1, got {ks}")
+    out_dir = Path(out_dir)
+    results = [
+        run_engine(
+            engine_request(target, draft, k, prompt_sets, **request),
+            k,
+            out_dir / "engines" / f"k{k}.json",
+            reserved_cpus,
+        )
+        for k in [0, *ks]
+    ]
+    return {
+        dataset: write_dataset_results(
+            dataset, results, out_dir / f"{dataset}.csv", out_dir / dataset / "outputs.jsonl"
+        )
+        for dataset in prompt_sets
+    }

@@ -1,0 +1,182 @@
+"""Benchmark tables: one prompt set's tidy CSV and per-request outputs from engine results.
+
+CSV (``results/bench/{dataset}.csv``): one row per (dataset, k, run); k = 0 is the plain target.
+Columns are listed in ``CSV_COLUMNS``. ``accepted_per_pos`` holds the raw per-position accepted
+counts and ``acceptance_per_pos`` the same divided by the number of drafts, both as JSON lists.
+The speed-up divides a run's throughput by the plain target's mean throughput over its runs.
+Under greedy decoding every run is compared token by token with the plain target's first run;
+differing requests are counted and the first one named (``first_difference``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from draftflow.bench.counters import SpecCounters
+from draftflow.bench.lossless import compare_runs
+from draftflow.io import atomic_path
+
+log = logging.getLogger(__name__)
+
+CSV_COLUMNS = [
+    "dataset",
+    "k",
+    "run",
+    "method",
+    "temperature",
+    "max_tokens",
+    "num_prompts",
+    "num_requests",
+    "prompt_tokens",
+    "output_tokens",
+    "elapsed_s",
+    "tokens_per_s",
+    "tpot_ms",
+    "requests_per_s",
+    "speedup",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "accepted_per_pos",
+    "acceptance_length",
+    "acceptance_rate",
+    "acceptance_per_pos",
+    "outputs_identical",
+    "num_requests_differ",
+    "first_difference",
+]
+
+
+def _rows(dataset: str, k: int, temperature: float, max_tokens: int, result: dict) -> list[dict]:
+    rows = []
+    for run in result["runs"]:
+        counters = SpecCounters(
+            run["num_drafts"],
+            run["num_draft_tokens"],
+            run["num_accepted_tokens"],
+            tuple(run["accepted_per_pos"]),
+        )
+        rows.append(
+            {
+                "dataset": dataset,
+                "k": k,
+                "run": run["run"],
+                "method": "eagle3" if k else "plain",
+                "temperature": temperature,
+                "max_tokens": max_tokens,
+                **{key: run[key] for key in _RUN_KEYS},
+                "accepted_per_pos": json.dumps(list(counters.accepted_per_pos)),
+                # A plain step yields exactly one token.
+                "acceptance_length": counters.acceptance_length if k else 1.0,
+                "acceptance_rate": counters.acceptance_rate,
+                "acceptance_per_pos": json.dumps(
+                    [round(x, 4) for x in counters.acceptance_per_pos()]
+                ),
+            }
+        )
+    return rows
+
+
+_RUN_KEYS = (
+    "num_prompts",
+    "num_requests",
+    "prompt_tokens",
+    "output_tokens",
+    "elapsed_s",
+    "tokens_per_s",
+    "tpot_ms",
+    "requests_per_s",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+)
+
+
+def _token_ids(run: dict[str, Any]) -> dict[str, list[list[int]]]:
+    return {pid: [r["token_ids"] for r in turns] for pid, turns in run["responses"].items()}
+
+
+def write_dataset_results(
+    dataset: str,
+    results: list[dict[str, Any]],
+    out_csv: str | Path,
+    out_outputs: str | Path,
+) -> pd.DataFrame:
+    """One prompt set's CSV and outputs from the engines' results (one of them with k = 0)."""
+    by_k = {int(r["k"]): _dataset_runs(r, dataset) for r in results}
+    if 0 not in by_k:
+        raise ValueError("the plain target's result (k = 0) is missing: speed-ups need it")
+    sampling = results[0]["sampling"]
+    for result in results[1:]:
+        if result["sampling"] != sampling:
+            raise ValueError(
+                f"engine results were sampled differently: {sampling} vs {result['sampling']}"
+            )
+    temperature = float(sampling["temperature"])
+    max_tokens = int(sampling["max_tokens"])
+    rows = []
+    for k in sorted(by_k):
+        rows += _rows(dataset, k, temperature, max_tokens, {"runs": by_k[k]})
+    table = pd.DataFrame(rows)
+    base_tps = table.loc[table["k"] == 0, "tokens_per_s"].mean()
+    table["speedup"] = table["tokens_per_s"] / base_tps
+
+    # Losslessness: only greedy decoding promises the same tokens.
+    reference = _token_ids(by_k[0][0])
+    identical, differ, first = [], [], []
+    for k in sorted(by_k):
+        for run in by_k[k]:
+            if temperature > 0:
+                identical.append(None)
+                differ.append(None)
+                first.append("not checked (sampled)")
+                continue
+            differences = compare_runs(reference, _token_ids(run))
+            for difference in differences:
+                log.warning(
+                    "%s: k=%d run %d differs from the plain target at %s",
+                    dataset,
+                    k,
+                    run["run"],
+                    difference.describe(),
+                )
+            identical.append(not differences)
+            differ.append(len(differences))
+            first.append(differences[0].describe() if differences else "none")
+    table["outputs_identical"] = identical
+    table["num_requests_differ"] = differ
+    table["first_difference"] = first
+    table = table[CSV_COLUMNS]
+    with atomic_path(out_csv) as tmp_csv:
+        table.to_csv(tmp_csv, index=False)
+    write_outputs(out_outputs, dataset, {k: {"runs": by_k[k]} for k in sorted(by_k)})
+    return table
+
+
+def _dataset_runs(result: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
+    runs = [run for run in result["runs"] if run["dataset"] == dataset]
+    if not runs:
+        served = sorted({run["dataset"] for run in result["runs"]})
+        raise ValueError(f"the k={result['k']} engine did not run {dataset!r} (it ran {served})")
+    return runs
+
+
+def write_outputs(path: str | Path, dataset: str, results: dict[int, dict[str, Any]]) -> None:
+    """Per-request outputs: one line per (k, run, prompt) with every turn's text and token ids."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for k, result in results.items():
+            for run in result["runs"]:
+                for prompt_id, turns in run["responses"].items():
+                    record = {
+                        "dataset": dataset,
+                        "k": k,
+                        "run": run["run"],
+                        "id": prompt_id,
+                        "turns": turns,
+                    }
+                    handle.write(json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n")

@@ -1,0 +1,46 @@
+"""Rule bench_engine: one vLLM engine (the plain target for k = 0, else the EAGLE-3 draft with
+k speculative tokens) over every prompt set; its raw result as JSON.
+
+The engine runs in a child process (draftflow.bench.engine), so no vLLM engine starts in this one.
+"""
+
+from pathlib import Path
+
+from draftflow.bench.prompts import read_prompts
+from draftflow.bench.run import engine_request, run_engine
+from draftflow.workflow.gpu import gpu_lease
+from draftflow.workflow.script import setup_logging
+
+log = setup_logging(snakemake)
+settings = snakemake.params.bench
+k = int(snakemake.wildcards.k)
+request = engine_request(
+    target=str(Path(snakemake.input.target).parent),
+    draft=snakemake.input.draft,
+    k=k,
+    prompt_sets={
+        name: read_prompts(path)
+        for name, path in zip(snakemake.params.datasets, snakemake.input.prompts, strict=True)
+    },
+    temperature=settings.get("temperature", 0.0),
+    top_p=settings.get("top_p", 1.0),
+    max_tokens=settings["max_tokens"],
+    seed=settings.get("seed", 0),
+    repeats=settings.get("repeats", 1),
+    warmup_tokens=settings.get("warmup_tokens", 16),
+    engine={
+        "max_model_len": settings["max_model_len"],
+        "max_num_seqs": settings["max_num_seqs"],
+        "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
+        "kv_cache_memory_bytes": settings.get("kv_cache_memory_bytes"),
+        "dtype": snakemake.params.dtype,
+        "seed": settings.get("seed", 0),
+        "trust_remote_code": snakemake.params.trust_remote_code,
+        "extra": settings.get("engine_args") or {},
+    },
+)
+# The engine runs in a child process: it inherits the leased CUDA_VISIBLE_DEVICES.
+with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
+    result = run_engine(request, k, snakemake.output[0], settings.get("reserved_cpus"))
+for run in result["runs"]:
+    log.info("k=%d run %d %s: %.1f tokens/s", k, run["run"], run["dataset"], run["tokens_per_s"])

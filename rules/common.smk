@@ -166,7 +166,15 @@ def bench_dtype():
 
 
 def bench_threads():
-    return int(config["bench"].get("threads", 2))
+    """Cores of a bench engine job. null: on the CPU build all of the run's cores, so that no
+    other job shares the machine while an engine is timed (and vLLM's CPU worker binds to every
+    core it may use); with GPUs 2, so that engines for different k run side by side."""
+    threads = config["bench"].get("threads")
+    if threads is not None:
+        return int(threads)
+    if vllm_gpus() == 0 and workflow.cores:
+        return int(workflow.cores)
+    return 2
 
 
 def bench_draft_dir():

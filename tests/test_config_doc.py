@@ -40,3 +40,23 @@ def test_check_mode_catches_a_stale_readme(tmp_path: Path, monkeypatch: pytest.M
 def test_every_key_a_config_sets_is_documented(config_path: Path) -> None:
     config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
     assert config_doc.unknown_config_keys(config, config_doc.load_schema()) == []
+
+
+def _pkg_refs(node) -> list[str]:
+    if isinstance(node, dict):
+        return [ref for value in node.values() for ref in _pkg_refs(value)]
+    if isinstance(node, list):
+        return [ref for value in node for ref in _pkg_refs(value)]
+    return [node] if isinstance(node, str) and node.startswith("pkg:") else []
+
+
+@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda path: path.name)
+def test_every_packaged_file_a_config_names_exists(config_path: Path) -> None:
+    """``pkg:`` references (data shipped in the demo's PyPI packages) resolve to real files."""
+    from draftflow.resources import resolve_path
+
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    refs = _pkg_refs(config)
+    assert refs, "every config here uses at least one packaged data file"
+    for ref in refs:
+        assert resolve_path(ref).is_file(), ref

@@ -23,13 +23,8 @@ from draftflow.io import atomic_path
 
 log = logging.getLogger(__name__)
 
-CSV_COLUMNS = [
-    "dataset",
-    "k",
-    "run",
-    "method",
-    "temperature",
-    "max_tokens",
+# Copied from each engine run as they are.
+_RUN_KEYS = (
     "num_prompts",
     "num_requests",
     "prompt_tokens",
@@ -38,10 +33,22 @@ CSV_COLUMNS = [
     "tokens_per_s",
     "tpot_ms",
     "requests_per_s",
-    "speedup",
     "num_drafts",
     "num_draft_tokens",
     "num_accepted_tokens",
+)
+# The CSV's columns, in order: the configuration, the run's own figures (the speed-up after
+# throughput), then the acceptance and lossless columns derived here.
+CSV_COLUMNS = [
+    "dataset",
+    "k",
+    "run",
+    "method",
+    "temperature",
+    "max_tokens",
+    *_RUN_KEYS[: _RUN_KEYS.index("requests_per_s") + 1],
+    "speedup",
+    *_RUN_KEYS[_RUN_KEYS.index("requests_per_s") + 1 :],
     "accepted_per_pos",
     "acceptance_length",
     "acceptance_rate",
@@ -52,9 +59,11 @@ CSV_COLUMNS = [
 ]
 
 
-def _rows(dataset: str, k: int, temperature: float, max_tokens: int, result: dict) -> list[dict]:
+def _rows(
+    dataset: str, k: int, temperature: float, max_tokens: int, runs: list[dict[str, Any]]
+) -> list[dict]:
     rows = []
-    for run in result["runs"]:
+    for run in runs:
         counters = SpecCounters(
             run["num_drafts"],
             run["num_draft_tokens"],
@@ -82,21 +91,6 @@ def _rows(dataset: str, k: int, temperature: float, max_tokens: int, result: dic
     return rows
 
 
-_RUN_KEYS = (
-    "num_prompts",
-    "num_requests",
-    "prompt_tokens",
-    "output_tokens",
-    "elapsed_s",
-    "tokens_per_s",
-    "tpot_ms",
-    "requests_per_s",
-    "num_drafts",
-    "num_draft_tokens",
-    "num_accepted_tokens",
-)
-
-
 def _token_ids(run: dict[str, Any]) -> dict[str, list[list[int]]]:
     return {pid: [r["token_ids"] for r in turns] for pid, turns in run["responses"].items()}
 
@@ -121,7 +115,7 @@ def write_dataset_results(
     max_tokens = int(sampling["max_tokens"])
     rows = []
     for k in sorted(by_k):
-        rows += _rows(dataset, k, temperature, max_tokens, {"runs": by_k[k]})
+        rows += _rows(dataset, k, temperature, max_tokens, by_k[k])
     table = pd.DataFrame(rows)
     base_tps = table.loc[table["k"] == 0, "tokens_per_s"].mean()
     table["speedup"] = table["tokens_per_s"] / base_tps
@@ -154,7 +148,7 @@ def write_dataset_results(
     table = table[CSV_COLUMNS]
     with atomic_path(out_csv) as tmp_csv:
         table.to_csv(tmp_csv, index=False)
-    write_outputs(out_outputs, dataset, {k: {"runs": by_k[k]} for k in sorted(by_k)})
+    write_outputs(out_outputs, dataset, {k: by_k[k] for k in sorted(by_k)})
     return table
 
 
@@ -166,11 +160,13 @@ def _dataset_runs(result: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
     return runs
 
 
-def write_outputs(path: str | Path, dataset: str, results: dict[int, dict[str, Any]]) -> None:
+def write_outputs(
+    path: str | Path, dataset: str, runs_by_k: dict[int, list[dict[str, Any]]]
+) -> None:
     """Per-request outputs: one line per (k, run, prompt) with every turn's text and token ids."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        for k, result in results.items():
-            for run in result["runs"]:
+        for k, runs in runs_by_k.items():
+            for run in runs:
                 for prompt_id, turns in run["responses"].items():
                     record = {
                         "dataset": dataset,

@@ -36,6 +36,8 @@ request = engine_request(
         "dtype": snakemake.params.dtype,
         "seed": settings.get("seed", 0),
         "trust_remote_code": snakemake.params.trust_remote_code,
+        # The job's GPUs (extract.tp_size when use_gpu is on): the target is sharded over them.
+        "tensor_parallel_size": max(1, int(snakemake.resources.gpu)),
         "extra": settings.get("engine_args") or {},
     },
 )

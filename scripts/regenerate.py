@@ -28,6 +28,8 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
             reserved_cpus=section.get("reserved_cpus"),
             trust_remote_code=snakemake.params.trust_remote_code,
             seed=settings.seed,
+            # The job's GPUs (extract.tp_size when use_gpu is on): the target is sharded over them.
+            tensor_parallel_size=max(1, int(snakemake.resources.gpu)),
         )
         regenerate(
             conversations,

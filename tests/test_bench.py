@@ -115,6 +115,18 @@ def test_max_turns_cuts_conversations():
 
 
 # ---------------------------------------------------------------- counters and losslessness
+def test_engines_shard_the_target_over_the_jobs_gpus():
+    from draftflow.bench.engine import engine_kwargs
+
+    common = {"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 1 << 20}
+    single = engine_kwargs("target", "draft", 3, **common)
+    sharded = engine_kwargs("target", "draft", 3, tensor_parallel_size=4, **common)
+    # One GPU (or the CPU): vLLM's own default, nothing passed.
+    assert "tensor_parallel_size" not in single
+    assert sharded["tensor_parallel_size"] == 4
+    assert {k: v for k, v in sharded.items() if k != "tensor_parallel_size"} == single
+
+
 def test_spec_counters_from_vllm_metric_objects():
     from vllm.v1.metrics.reader import Counter, Gauge, Vector
 

@@ -54,6 +54,23 @@ CONVERSATIONS = [
 ]
 
 
+def test_make_engine_shards_the_target_over_the_jobs_gpus(monkeypatch, tmp_path: Path):
+    import vllm
+
+    from draftflow.workflow.cpu_threads import cpu_engine_env
+
+    for key in cpu_engine_env(None):  # make_engine sets them: put them back afterwards
+        monkeypatch.setenv(key, os.environ.get(key, "unset"))
+        if os.environ[key] == "unset":
+            monkeypatch.delenv(key)
+    seen: list[dict] = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append(kwargs))
+    make_engine(tmp_path, max_model_len=64, gpu_memory_utilization=0.1)
+    make_engine(tmp_path, max_model_len=64, gpu_memory_utilization=0.1, tensor_parallel_size=2)
+    assert "tensor_parallel_size" not in seen[0]
+    assert seen[1]["tensor_parallel_size"] == 2
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: Path):
     engine = make_engine(

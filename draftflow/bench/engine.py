@@ -41,6 +41,7 @@ def engine_kwargs(
     seed: int = 0,
     enforce_eager: bool = True,
     trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``: identical for every k except the speculative config.
@@ -68,6 +69,8 @@ def engine_kwargs(
         "disable_log_stats": False,
         **(extra or {}),
     }
+    if tensor_parallel_size > 1:  # the target (and its draft) sharded over the job's GPUs
+        kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
     else:

@@ -74,6 +74,7 @@ def make_engine(
     seed: int = 0,
     kv_cache_memory_bytes: int | None = None,
     reserved_cpus: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Any:
     """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn).
 
@@ -81,6 +82,7 @@ def make_engine(
     itself (about 1.2 GiB for SmolLM2) plus the KV cache; ``kv_cache_memory_bytes`` sets the KV
     cache size exactly instead (tests use it to stay small). ``reserved_cpus``: cores the CPU
     build keeps for its scheduler (see ``draftflow.workflow.cpu_threads``).
+    ``tensor_parallel_size``: GPUs the engine shards the target over (the job's leased GPUs).
     """
     from vllm import LLM
 
@@ -91,6 +93,8 @@ def make_engine(
     extra = (
         {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}
     )
+    if tensor_parallel_size > 1:
+        extra["tensor_parallel_size"] = tensor_parallel_size
     return LLM(
         model=str(model_dir),
         max_model_len=max_model_len,

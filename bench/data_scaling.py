@@ -376,6 +376,7 @@ def draft(args: argparse.Namespace) -> None:
 def bench(args: argparse.Namespace) -> None:
     """The bench rule's engines (vLLM, config.yaml's ``bench:`` settings) for one draft."""
     from draftflow.bench.prompts import load_prompts
+    from draftflow.bench.run import request_settings
     from draftflow.bench.suite import run_benchmark
 
     config = _config()
@@ -399,21 +400,7 @@ def bench(args: argparse.Namespace) -> None:
         ks=args.ks,
         out_dir=args.out,
         reserved_cpus=settings.get("reserved_cpus"),
-        temperature=settings.get("temperature", 0.0),
-        top_p=settings.get("top_p", 1.0),
-        max_tokens=settings["max_tokens"],
-        seed=settings.get("seed", 0),
-        repeats=settings.get("repeats", 1),
-        warmup_tokens=settings.get("warmup_tokens", 16),
-        engine={
-            "max_model_len": settings["max_model_len"],
-            "max_num_seqs": settings["max_num_seqs"],
-            "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
-            "kv_cache_memory_bytes": settings.get("kv_cache_memory_bytes"),
-            "dtype": settings.get("dtype") or config["target"]["dtype"],
-            "seed": settings.get("seed", 0),
-            "extra": settings.get("engine_args") or {},
-        },
+        **request_settings(settings, dtype=settings.get("dtype") or config["target"]["dtype"]),
     )
     for name, table in tables.items():
         print(name)

@@ -7,7 +7,7 @@ The engine runs in a child process (draftflow.bench.engine), so no vLLM engine s
 from pathlib import Path
 
 from draftflow.bench.prompts import read_prompts
-from draftflow.bench.run import engine_request, run_engine
+from draftflow.bench.run import engine_request, request_settings, run_engine
 from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging
 
@@ -22,24 +22,13 @@ request = engine_request(
         name: read_prompts(path)
         for name, path in zip(snakemake.params.datasets, snakemake.input.prompts, strict=True)
     },
-    temperature=settings.get("temperature", 0.0),
-    top_p=settings.get("top_p", 1.0),
-    max_tokens=settings["max_tokens"],
-    seed=settings.get("seed", 0),
-    repeats=settings.get("repeats", 1),
-    warmup_tokens=settings.get("warmup_tokens", 16),
-    engine={
-        "max_model_len": settings["max_model_len"],
-        "max_num_seqs": settings["max_num_seqs"],
-        "gpu_memory_utilization": settings.get("gpu_memory_utilization"),
-        "kv_cache_memory_bytes": settings.get("kv_cache_memory_bytes"),
-        "dtype": snakemake.params.dtype,
-        "seed": settings.get("seed", 0),
-        "trust_remote_code": snakemake.params.trust_remote_code,
+    **request_settings(
+        settings,
+        dtype=snakemake.params.dtype,
+        trust_remote_code=snakemake.params.trust_remote_code,
         # The job's GPUs (extract.tp_size when use_gpu is on): the target is sharded over them.
-        "tensor_parallel_size": max(1, int(snakemake.resources.gpu)),
-        "extra": settings.get("engine_args") or {},
-    },
+        tensor_parallel_size=max(1, int(snakemake.resources.gpu)),
+    ),
 )
 # The engine runs in a child process: it inherits the leased CUDA_VISIBLE_DEVICES.
 with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op

@@ -76,6 +76,35 @@ def engine_request(
     }
 
 
+def request_settings(
+    bench: dict[str, Any],
+    *,
+    dtype: str,
+    trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
+) -> dict[str, Any]:
+    """``engine_request``'s keyword arguments from the config's ``bench:`` section."""
+    return {
+        "temperature": bench.get("temperature", 0.0),
+        "top_p": bench.get("top_p", 1.0),
+        "max_tokens": bench["max_tokens"],
+        "seed": bench.get("seed", 0),
+        "repeats": bench.get("repeats", 1),
+        "warmup_tokens": bench.get("warmup_tokens", 16),
+        "engine": {
+            "max_model_len": bench["max_model_len"],
+            "max_num_seqs": bench["max_num_seqs"],
+            "gpu_memory_utilization": bench.get("gpu_memory_utilization"),
+            "kv_cache_memory_bytes": bench.get("kv_cache_memory_bytes"),
+            "dtype": dtype,
+            "seed": bench.get("seed", 0),
+            "trust_remote_code": trust_remote_code,
+            "tensor_parallel_size": tensor_parallel_size,
+            "extra": bench.get("engine_args") or {},
+        },
+    }
+
+
 def run_engine(
     request: dict[str, Any], k: int, out_json: str | Path, reserved_cpus: int | None = 1
 ) -> dict[str, Any]:

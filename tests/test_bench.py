@@ -114,7 +114,7 @@ def test_max_turns_cuts_conversations():
     assert [len(p["turns"]) for p in prompts] == [1, 1]
 
 
-# ---------------------------------------------------------------- counters and losslessness
+# ---------------------------------------------------------------- engine arguments
 def test_engines_shard_the_target_over_the_jobs_gpus():
     from draftflow.bench.engine import engine_kwargs
 
@@ -127,6 +127,7 @@ def test_engines_shard_the_target_over_the_jobs_gpus():
     assert {k: v for k, v in sharded.items() if k != "tensor_parallel_size"} == single
 
 
+# ---------------------------------------------------------------- counters and losslessness
 def test_spec_counters_from_vllm_metric_objects():
     from vllm.v1.metrics.reader import Counter, Gauge, Vector
 

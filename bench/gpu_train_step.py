@@ -29,6 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
+from synthetic_store import write_synthetic_store  # bench/, beside this script
+
 TARGET_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -59,10 +61,7 @@ def prepare(root: Path, samples: int, length: int, draft_vocab: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from draftflow.capture.layers import capture_layers
-    from draftflow.capture.store import ShardWriter
     from draftflow.io import atomic_write_json
-    from draftflow.train.vocab import write_vocab
 
     generator = torch.Generator().manual_seed(0)
     target = root / "target"
@@ -77,28 +76,15 @@ def prepare(root: Path, samples: int, length: int, draft_vocab: int) -> None:
     save_file(
         {k: v.to(torch.bfloat16) for k, v in weights.items()}, str(target / "model.safetensors")
     )
-    layers = capture_layers(target)
-    for split, count in (("train", samples), ("val", 4)):
-        writer = ShardWriter(
-            root / split / "shard-00000",
-            layer_ids=layers.layer_ids,
-            aux_layer_ids=layers.aux_layer_ids,
-            hidden_size=layers.hidden_size,
-            meta={"backend": "synthetic"},
-            chunk_samples=8,
-        )
-        for n in range(count):
-            ids = torch.randint(0, vocab, (length,), generator=generator, dtype=torch.int32)
-            states = torch.randn(length, len(layers.layer_ids), hidden, generator=generator)
-            writer.add(f"{split}{n}", ids, torch.ones(length, dtype=torch.int8), states.bfloat16())
-        writer.close()
-    freq = torch.randint(0, 1000, (vocab,), generator=generator, dtype=torch.int64)
-    save_file({"token_freq": freq}, str(root / "token_freq.safetensors"))
-    write_vocab(
-        root / "token_freq.safetensors",
-        root / "vocab.safetensors",
-        root / "vocab.json",
-        draft_vocab,
+    write_synthetic_store(
+        root,
+        target,
+        train_samples=samples,
+        val_samples=4,
+        length=length,
+        draft_vocab=draft_vocab,
+        dtype=torch.bfloat16,
+        chunk_samples=8,
     )
     print(json.dumps({"prepared": str(root), "train_samples": samples, "length": length}))
 

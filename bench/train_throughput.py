@@ -20,46 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-
-def synthetic_store(root: Path, target: str, samples: int, length: int, draft_vocab: int) -> dict:
-    import torch
-    from safetensors.torch import save_file
-
-    from draftflow.capture.layers import capture_layers
-    from draftflow.capture.store import ShardWriter
-    from draftflow.io import read_json
-    from draftflow.train.vocab import write_vocab
-
-    layers = capture_layers(target)
-    vocab_size = int(read_json(Path(target) / "config.json")["vocab_size"])
-    generator = torch.Generator().manual_seed(0)
-    dirs = {}
-    for split, count in (("train", samples), ("val", 2)):
-        out = root / split / "shard-00000"
-        writer = ShardWriter(
-            out,
-            layer_ids=layers.layer_ids,
-            aux_layer_ids=layers.aux_layer_ids,
-            hidden_size=layers.hidden_size,
-            meta={"backend": "synthetic"},
-        )
-        for n in range(count):
-            ids = torch.randint(0, vocab_size, (length,), generator=generator, dtype=torch.int32)
-            states = torch.randn(
-                length, len(layers.layer_ids), layers.hidden_size, generator=generator
-            )
-            writer.add(f"{split}{n}", ids, torch.ones(length, dtype=torch.int8), states)
-        writer.close()
-        dirs[split] = [str(out)]
-    freq = torch.randint(0, 1000, (vocab_size,), generator=generator, dtype=torch.int64)
-    save_file({"token_freq": freq}, str(root / "token_freq.safetensors"))
-    write_vocab(
-        root / "token_freq.safetensors",
-        root / "vocab.safetensors",
-        root / "vocab.json",
-        draft_vocab,
-    )
-    return dirs
+from synthetic_store import write_synthetic_store  # bench/, beside this script
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,7 +47,14 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(tmp)
         per_batch = max(1, args.tokens_per_batch // (args.sample_length - 1))
         samples = per_batch * args.steps * max(1, args.gpus)
-        dirs = synthetic_store(root, args.target, samples, args.sample_length, args.draft_vocab)
+        dirs = write_synthetic_store(
+            root,
+            args.target,
+            train_samples=samples,
+            val_samples=2,
+            length=args.sample_length,
+            draft_vocab=args.draft_vocab,
+        )
         settings = TrainSettings(
             num_layers=args.num_layers,
             ttt_steps=args.ttt_steps,

@@ -62,12 +62,16 @@ def run_mode(args: argparse.Namespace) -> dict:
     )
     started = time.perf_counter()
     if args.mode == "plain":
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from draftflow.capture.backends.hooks import vllm_engine_kwargs
+        from draftflow.capture.backends import capture_engine_kwargs
+        from draftflow.engine import engine_env, start_engine
 
-        llm = LLM(model=args.model, **vllm_engine_kwargs(settings))
+        llm = start_engine(
+            capture_engine_kwargs(args.model, settings),
+            engine_env(kv_cache_memory_bytes=settings.kv_cache_memory_bytes),
+        )
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
         def run(batch):

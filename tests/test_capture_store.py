@@ -102,6 +102,7 @@ def test_resume_after_partial_run_is_byte_identical(tmp_path):
     )
     for sample in samples[:10]:  # two full chunks written, two samples only buffered: "killed"
         writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], sample["hidden_states"])
+    writer.wait_written()
     del writer
     (resumed / ".chunk-00002.safetensors.junk.tmp").write_bytes(b"half a chunk")
     assert sorted(p.name for p in resumed.iterdir() if not p.name.endswith(".tmp")) == [
@@ -152,6 +153,7 @@ KILL_SCRIPT = textwrap.dedent(
     for count, s in enumerate(make_samples(11), start=1):
         writer.add(s["id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
         if count == 6:
+            writer.wait_written()  # chunks are written on threads: chunk 0 is on disk now
             os.kill(os.getpid(), signal.SIGKILL)
     """
 )

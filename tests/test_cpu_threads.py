@@ -2,7 +2,8 @@
 
 import pytest
 
-from draftflow.workflow.cpu_threads import apply_cpu_engine_env, cpu_engine_env
+from draftflow.engine import engine_env
+from draftflow.workflow.cpu_threads import cpu_engine_env
 
 
 def test_threads_match_the_cores_the_worker_gets():
@@ -30,8 +31,33 @@ def test_default_and_edge_cases():
         cpu_engine_env(-1, cores=2)
 
 
-def test_apply_overrides_snakemake_thread_variables():
-    env = {"MKL_NUM_THREADS": "2", "OMP_NUM_THREADS": "2", "PATH": "/bin"}
-    updates = apply_cpu_engine_env(1, env)  # this machine has no GPU: the CPU build's rules
-    assert updates and env["MKL_NUM_THREADS"] == updates["MKL_NUM_THREADS"]
-    assert env["PATH"] == "/bin"
+def test_engine_env_per_platform():
+    # This machine has no GPU: the CPU build's thread rules; a GPU engine spawns its workers
+    # (a driver that touched CUDA cannot fork them).
+    assert engine_env(reserved_cpus=1) == cpu_engine_env(1)
+    assert engine_env(reserved_cpus=1, cpu=False) == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert engine_env(cpu=False, model_runner="v2")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert engine_env(cpu=True, model_runner="v1")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_env(cpu=False)
+    with pytest.raises(ValueError, match="allowed are default, v1, v2"):
+        engine_env(model_runner="v3")
+
+
+def test_engine_kwargs_take_one_kv_cache_rule():
+    from draftflow.engine import engine_kwargs
+
+    exact = engine_kwargs(
+        "m", max_model_len=64, kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5
+    )
+    assert exact["kv_cache_memory_bytes"] == 1 << 20 and "gpu_memory_utilization" not in exact
+    share = engine_kwargs("m", max_model_len=64, gpu_memory_utilization=0.5)
+    assert share["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in share
+    assert "tensor_parallel_size" not in share
+    assert (
+        engine_kwargs("m", max_model_len=64, gpu_memory_utilization=0.5, tensor_parallel_size=2)[
+            "tensor_parallel_size"
+        ]
+        == 2
+    )
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes or gpu_memory_utilization"):
+        engine_kwargs("m", max_model_len=64)

@@ -289,36 +289,27 @@ def test_trained_draft_is_accepted_in_vllm(trained, tiny_store, tmp_path):
     random_job = _job(tiny_store, tmp_path / "random")
     export_draft(random_draft, random_job, {**trained["summary"], "val": None})
 
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(tiny_store["prompts"][:8]))
+    # The bench stage's engine, greedy, on the prompts the draft was trained on.
+    from draftflow.bench.run import engine_request, run_engine
+
+    prompt_set = [{"id": f"p{i}", "turns": [text]} for i, text in enumerate(TRAIN_PROMPTS[:8])]
+    engine = {"max_model_len": 1024, "max_num_seqs": 8, "kv_cache_memory_bytes": 128 << 20}
     results = {}
     for name, draft in (("random", random_job.draft_dir), ("trained", trained["job"].draft_dir)):
-        out = tmp_path / f"{name}.json"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "draftflow.train.acceptance",
-                "--target",
-                tiny_store["target"],
-                "--draft",
-                draft,
-                "--prompts",
-                str(prompts),
-                "--out",
-                str(out),
-            ],
-            cwd=REPO,
-            check=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+        request = engine_request(
+            tiny_store["target"], draft, 3, {"train": prompt_set}, max_tokens=48, engine=engine
         )
-        results[name] = json.loads(out.read_text())
-    taus = {name: result["acceptance_length"] for name, result in results.items()}
+        (run,) = run_engine(request, 3, tmp_path / f"{name}.json")["runs"]
+        results[name] = run
+    taus = {name: 1 + r["num_accepted_tokens"] / r["num_drafts"] for name, r in results.items()}
     print("acceptance lengths", taus)
     assert results["random"]["num_drafts"] > 0 and results["trained"]["num_drafts"] > 0
     assert taus["random"] < 1.3, taus
     assert taus["trained"] > 1.6, taus
-    assert all(text for result in results.values() for text in result["texts"])
+    texts = [
+        r["text"] for run in results.values() for turns in run["responses"].values() for r in turns
+    ]
+    assert texts and all(texts)
 
 
 def test_data_parallel_over_two_ranks(trained, tiny_store, tmp_path):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.bench.counters import read_spec_counters
+from draftflow.engine import engine_kwargs as common_engine_kwargs
 from draftflow.io import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -46,35 +47,30 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``: identical for every k except the speculative config.
 
-    On the CPU ``gpu_memory_utilization`` is the share of RAM for the whole engine process
-    (weights included), so on a shared machine a fixed ``kv_cache_memory_bytes`` is steadier;
-    when given it wins.
+    The shared part (KV cache, tensor parallelism, eager mode) comes from ``draftflow.engine``.
     """
-    if kv_cache_memory_bytes is None and gpu_memory_utilization is None:
-        raise ValueError("set kv_cache_memory_bytes or gpu_memory_utilization for the KV cache")
     if k < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0 (0 = plain target), got {k}")
     if k > 0 and not draft:
         raise ValueError(f"num_speculative_tokens={k} needs a draft model directory")
-    kwargs: dict[str, Any] = {
-        "model": str(target),
-        "tokenizer": str(target),
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "enforce_eager": enforce_eager,
-        "seed": seed,
-        "trust_remote_code": trust_remote_code,
-        # The spec-decode counters exist only with stats logging on.
-        "disable_log_stats": False,
-        **(extra or {}),
-    }
-    if tensor_parallel_size > 1:  # the target (and its draft) sharded over the job's GPUs
-        kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
-    if kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-    else:
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    kwargs = common_engine_kwargs(
+        target,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        seed=seed,
+        trust_remote_code=trust_remote_code,
+        enforce_eager=enforce_eager,
+        extra={
+            "tokenizer": str(target),
+            "dtype": dtype,
+            "max_num_seqs": max_num_seqs,
+            # The spec-decode counters exist only with stats logging on.
+            "disable_log_stats": False,
+            **(extra or {}),
+        },
+    )
     if k > 0:
         kwargs["speculative_config"] = {
             "method": "eagle3",

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.bench.engine import engine_kwargs
+from draftflow.engine import engine_env
 from draftflow.io import atomic_write_json, read_json
-from draftflow.workflow.cpu_threads import apply_cpu_engine_env
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def run_engine_process(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     # On the CPU build: the same reserved scheduler cores and matching thread counts for every
-    # engine, so runs compare (and the worker's core isn't oversubscribed).
-    apply_cpu_engine_env(reserved_cpus, env)
+    # engine, so runs compare (and the worker's core isn't oversubscribed); spawn on GPUs.
+    env.update(engine_env(reserved_cpus=reserved_cpus))
     command = [sys.executable, "-m", "draftflow.bench.engine", str(request_path), str(result_path)]
     log.info("starting engine %s", name)
     sys.stderr.flush()

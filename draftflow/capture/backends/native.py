@@ -2,10 +2,13 @@
 
 vLLM stores the states entering the configured layers (same ids as ours: k = the stream after k
 layers, L = the final pre-norm output) in a KV-cache slot, and a KV connector writes one
-safetensors file per request (``hidden_states [T, layers, H]``, ``token_ids [T]``). We use
-``draftflow.capture.adapters.native_connector.SyncHiddenStatesConnector``, which also runs on the
-CPU. The connector needs each prompt in one forward: chunked prefill is off, so
-``max_num_batched_tokens`` is raised to ``max_model_len`` where it is lower.
+safetensors file per request (``hidden_states [T, layers, H]``, ``token_ids [T]``). On GPUs
+that is vLLM's stock ``ExampleHiddenStatesConnector`` (asynchronous copies and writes); on the
+CPU build ``draftflow.capture.adapters.native_connector.SyncHiddenStatesConnector``, which does
+the same work synchronously (the stock one needs pinned memory). The connector needs each prompt
+in one forward: chunked prefill is off, so ``max_num_batched_tokens`` is raised to
+``max_model_len`` where it is lower. vLLM 0.24 runs this speculative method under the V1 model
+runner only (its V2 runner falls back to V1 for it).
 """
 
 from __future__ import annotations
@@ -17,13 +20,21 @@ import tempfile
 import torch
 from packaging.version import Version
 
-from draftflow.capture.backends import EngineSettings, installed_vllm_version
+from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
+from draftflow.engine import (
+    engine_env,
+    installed_vllm_version,
+    on_cpu_build,
+    shutdown_engine,
+    start_engine,
+)
 
 log = logging.getLogger(__name__)
 
 NATIVE_MIN_VERSION = "0.17"
-CONNECTOR_MODULE = "draftflow.capture.adapters.native_connector"
-CONNECTOR_CLASS = "SyncHiddenStatesConnector"
+CPU_CONNECTOR_MODULE = "draftflow.capture.adapters.native_connector"
+CPU_CONNECTOR_CLASS = "SyncHiddenStatesConnector"
+GPU_CONNECTOR_CLASS = "ExampleHiddenStatesConnector"
 
 
 def native_supports(vllm_version: str) -> bool:
@@ -42,38 +53,38 @@ class NativeBackend:
                 f"extract.backend native needs vLLM >= {NATIVE_MIN_VERSION}; "
                 f"installed: {self.vllm_version}"
             )
-        from vllm import LLM
-
-        from draftflow.capture.backends.hooks import vllm_engine_kwargs
-        from draftflow.workflow.cpu_threads import apply_cpu_engine_env
-
-        # The KV connector makes vLLM keep no scheduler core unless told (platform notes).
-        apply_cpu_engine_env(settings.reserved_cpus)
-
         self.layer_ids = list(layer_ids)
         self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-native-")
-        kwargs = vllm_engine_kwargs(settings)
+        kwargs = capture_engine_kwargs(model_dir, settings)
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(
             settings.max_num_batched_tokens, settings.max_model_len
         )
-        self.llm = LLM(
-            model=str(model_dir),
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}
-                },
+        connector = {"kv_connector": GPU_CONNECTOR_CLASS}
+        if on_cpu_build():
+            connector = {
+                "kv_connector": CPU_CONNECTOR_CLASS,
+                "kv_connector_module_path": CPU_CONNECTOR_MODULE,
+            }
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}
             },
-            kv_transfer_config={
-                "kv_connector": CONNECTOR_CLASS,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": self._tmp.name},
-            },
-            **kwargs,
+        }
+        kwargs["kv_transfer_config"] = {
+            **connector,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": self._tmp.name},
+        }
+        # The KV connector makes the CPU build keep no scheduler core unless told.
+        env = engine_env(
+            reserved_cpus=settings.reserved_cpus,
+            model_runner=settings.model_runner,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         )
+        self.llm = start_engine(kwargs, env)
         self.last_stats: dict = {}
 
     def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -110,8 +121,5 @@ class NativeBackend:
     def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
-            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
-            del llm
-            if callable(shutdown):
-                shutdown()
+            shutdown_engine(llm)
         self._tmp.cleanup()

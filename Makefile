@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.draftflow-installed
 CORES ?= all
 
-.PHONY: demo test test-vllm016 lint format report clean-results venv
+.PHONY: demo test test-vllm016 test-gpu gpu-wheelhouse lint format report clean-results venv
 
 venv: $(STAMP)
 
@@ -34,6 +34,18 @@ $(STAMP016): envs/cpu-vllm016.txt envs/cpu-vllm016-nodeps.txt
 
 test-vllm016: $(STAMP016) $(STAMP)
 	PYTHONPATH=$(CURDIR) $(VENV016)/bin/pytest -q --durations=25 tests/test_capture.py
+
+# The GPU lane: on a CUDA machine with the packages of envs/gpu-lane.txt installed (docs/gpu.md).
+# It uses the machine's own Python (torch with CUDA comes with it), not .venv.
+GPU_PYTHON ?= python3
+WHEELHOUSE ?= wheelhouse
+
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -rs --durations=15 tests/gpu
+
+# Offline installs: every wheel of envs/gpu-lane.txt for Python 3.12 on Linux x86-64, in one folder.
+gpu-wheelhouse:
+	bash tools/gpu_wheelhouse.sh envs/gpu-lane.txt $(WHEELHOUSE)
 
 demo: $(STAMP)
 	$(BIN)/snakemake --profile profiles/default --cores $(CORES)

@@ -1,26 +1,38 @@
-"""The ``hf`` capture backend on a GPU: prompt tokens/s and bytes/s written to a capture store.
+"""Capture throughput against plain vLLM prefill, same engine settings, same run.
 
-The models are random-weight stand-ins built on the device (no weights can be fetched there):
-``smollm2`` is SmolLM2-135M-Instruct's architecture (its config.json values), ``llama1b`` a
-Llama-shaped model of about 1.2B parameters. Prompts are random token ids. Each model is
-saved as a bf16 HF checkpoint, opened with ``make_backend("hf", ..., device="cuda")``, warmed
-up on 4 prompts, then timed twice over ``--prompts`` prompts: captured states are moved to the
-host and written with ``ShardWriter`` (the capture stage's store), closing the shard included.
+For one model shape, each mode runs in a fresh process (its own engine, all GPU memory given
+back) over the same random-token prompts, after a warm-up call:
 
-    python bench/gpu_capture.py --root /tmp/gcap --prompts 128 --length 1024
+- ``plain``: ``vllm.LLM.generate(max_tokens=1)`` with the capture engines' arguments
+  (``capture_engine_kwargs``: eager, no prefix caching) and no capture;
+- ``hooks-v1``, ``hooks-v2``: the hooks backend under the V1 runner / Model Runner V2, through
+  the extract stage's own capture loop into a capture store (``ShardWriter``), store closed
+  (manifest and checksums written) inside the timed interval;
+- ``native``: vLLM's ``extract_hidden_states`` through the same loop and store;
+- ``hf``: transformers (needs real weights: random ones are built and saved first).
 
-Results go to docs/benchmarks.md, section "GPU capture".
+vLLM modes load random weights (``load_format: dummy``) from a config.json of the shape:
+``llama8b`` is Llama-3.1-8B's (32 layers, hidden 4096, vocab 128256), ``smollm2``
+SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the timing.
+
+    python bench/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
+        --modes plain hooks-v1 hooks-v2 native --out docs/results/gpu-capture.json
+
+Results: docs/benchmarks.md, "GPU capture".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-CONFIGS = {
+SHAPES = {
     "smollm2": {
         "hidden_size": 576,
         "intermediate_size": 1536,
@@ -34,129 +46,216 @@ CONFIGS = {
         "max_position_embeddings": 8192,
         "rope_theta": 100000.0,
     },
-    "llama1b": {
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
+    "llama8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
-        "head_dim": 64,
-        "num_hidden_layers": 16,
+        "head_dim": 128,
+        "num_hidden_layers": 32,
         "vocab_size": 128256,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 8192,
         "rope_theta": 500000.0,
     },
 }
+MODES = ("plain", "hooks-v1", "hooks-v2", "native", "hf")
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_model(name: str, out: Path) -> None:
+def write_config(shape: str, out: Path, weights: bool) -> None:
+    """config.json of the shape (and random bf16 weights when ``weights``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**CONFIGS[name])
+    config = LlamaConfig(**SHAPES[shape], torch_dtype="bfloat16")
+    config.architectures = ["LlamaForCausalLM"]
+    out.mkdir(parents=True, exist_ok=True)
+    if not weights:
+        config.save_pretrained(str(out))
+        return
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(str(out))
-    del model
-    torch.cuda.empty_cache()
 
 
-def measure(name: str, root: Path, prompts: int, length: int, repeats: int) -> dict:
+def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     import torch
 
-    from draftflow.capture.backends import EngineSettings, make_backend
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(10, vocab - 10, (count, length), generator=generator).tolist()
+
+
+def run_mode(args: argparse.Namespace) -> dict:
+    """One mode in this process: warm up, then time ``--repeats`` passes."""
+    import torch
+
+    from draftflow.capture.backends import EngineSettings, capture_engine_kwargs, make_backend
+    from draftflow.capture.extract import _capture_all
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.store import ShardWriter
+    from draftflow.engine import engine_env, shutdown_engine, start_engine
 
-    model_dir = root / name
-    build_model(name, model_dir)
+    model_dir = Path(args.root) / (args.model + ("-weights" if args.mode == "hf" else ""))
     layers = capture_layers(model_dir)
-    settings = EngineSettings(max_model_len=length + 1, hf_dtype="bfloat16", device="cuda")
+    prompts = make_prompts(args.prompts, args.length, SHAPES[args.model]["vocab_size"])
+    runner = {"hooks-v1": "v1", "hooks-v2": "v2"}.get(args.mode, "default")
+    settings = EngineSettings(
+        max_model_len=args.length + 1,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+        model_runner=runner,
+        engine_args={"load_format": "dummy"} if args.mode != "hf" else {},
+        hf_dtype="bfloat16",
+        device="cuda",
+    )
     started = time.perf_counter()
-    backend = make_backend("hf", model_dir, layers.layer_ids, settings)
-    startup = time.perf_counter() - started
-    vocab = CONFIGS[name]["vocab_size"]
-    generator = torch.Generator().manual_seed(1)
-    batch = torch.randint(0, vocab, (prompts, length), generator=generator).tolist()
-    backend.capture(batch[:4])  # warm-up
-    torch.cuda.synchronize()
-    runs = []
-    for repeat in range(repeats):
-        out = root / f"{name}-store-{repeat}"
-        shutil.rmtree(out, ignore_errors=True)
-        began = time.perf_counter()
-        writer = ShardWriter(
-            out,
-            layer_ids=layers.layer_ids,
-            aux_layer_ids=layers.aux_layer_ids,
-            hidden_size=layers.hidden_size,
-            meta={"backend": "hf", "bench": name},
-        )
-        states = backend.capture(batch)
-        captured = time.perf_counter() - began
-        for n, (ids, hidden) in enumerate(zip(batch, states, strict=True)):
-            writer.add(
-                f"p{n}",
-                torch.tensor(ids, dtype=torch.int32),
-                torch.ones(len(ids), dtype=torch.int8),
-                hidden.to(torch.bfloat16),
+    if args.mode == "plain":
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = start_engine(capture_engine_kwargs(model_dir, settings), engine_env())
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+        def run(batch: list[list[int]], out: Path | None) -> dict:
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+            return {}
+
+        close = lambda: shutdown_engine(llm)  # noqa: E731
+    else:
+        backend = make_backend(args.mode.split("-")[0], model_dir, layers.layer_ids, settings)
+
+        def run(batch: list[list[int]], out: Path | None) -> dict:
+            if out is None:  # warm-up
+                backend.capture(batch)
+                return {}
+            shutil.rmtree(out, ignore_errors=True)
+            writer = ShardWriter(
+                out,
+                layer_ids=layers.layer_ids,
+                aux_layer_ids=layers.aux_layer_ids,
+                hidden_size=layers.hidden_size,
+                meta={"bench": args.mode},
+                chunk_samples=args.chunk_samples,
+                write_threads=args.write_threads,
             )
-        writer.close()
+            ids = [f"p{i}" for i in range(len(batch))]
+            masks = [[1] * len(p) for p in batch]
+            began = time.perf_counter()
+            _capture_all(writer, backend, 0, ids, batch, masks, args.call_samples)
+            captured = time.perf_counter() - began
+            writer.close()
+            return {
+                "capture_loop_s": round(captured, 3),
+                "store_close_s": round(time.perf_counter() - began - captured, 3),
+                "bytes_written": sum(f.stat().st_size for f in out.iterdir()),
+                "backend_stats": getattr(backend, "last_stats", {}),
+            }
+
+        close = backend.close
+    startup = time.perf_counter() - started
+    run(prompts[: min(8, len(prompts))], None)
+    on_gpu = torch.cuda.is_available()
+    runs = []
+    for repeat in range(args.repeats):
+        began = time.perf_counter()
+        detail = run(prompts, Path(args.root) / f"store-{args.mode}-{repeat}")
         seconds = time.perf_counter() - began
-        written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         runs.append(
             {
                 "seconds": round(seconds, 3),
-                "capture_only_s": round(captured, 3),
-                "tokens_per_s": round(prompts * length / seconds),
-                "capture_only_tokens_per_s": round(prompts * length / captured),
-                "mb_per_s_written": round(written / seconds / 1e6, 1),
-                "bytes_written": written,
+                "tokens_per_s": round(args.prompts * args.length / seconds),
+                **detail,
             }
         )
-    backend.close()
-    params = sum(int(v.numel()) for v in _weights(model_dir).values())
+    setup = getattr(locals().get("backend"), "setup", {})
+    close()
+    for repeat in range(args.repeats):
+        shutil.rmtree(Path(args.root) / f"store-{args.mode}-{repeat}", ignore_errors=True)
     return {
-        "model": name,
-        "params": params,
+        "model": args.model,
+        "mode": args.mode,
+        "runner": setup.get("runner", runner),
+        "prompts": args.prompts,
+        "length": args.length,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "chunk_samples": args.chunk_samples,
+        "call_samples": args.call_samples,
         "layer_ids": layers.layer_ids,
-        "prompts": prompts,
-        "length": length,
-        "startup_s": round(startup, 1),
         "bytes_per_token": len(layers.layer_ids) * layers.hidden_size * 2,
+        "startup_s": round(startup, 1),
         "runs": runs,
-        "gpu": torch.cuda.get_device_name(0),
+        "best_tokens_per_s": max(r["tokens_per_s"] for r in runs),
+        "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu",
         "torch": torch.__version__,
+        "vllm": _vllm_version(),
     }
 
 
-def _weights(model_dir: Path) -> dict:
-    from safetensors.torch import load_file
+def _vllm_version() -> str | None:
+    from draftflow.engine import installed_vllm_version
 
-    out = {}
-    for file in model_dir.glob("*.safetensors"):
-        out.update(load_file(str(file)))
-    return out
+    return installed_vllm_version()
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama8b")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:4]))
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child process
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument("--kv-cache-bytes", type=int, help="exact KV cache (a CPU smoke run)")
+    parser.add_argument("--chunk-samples", type=int, default=8, help="samples per store chunk")
+    parser.add_argument("--call-samples", type=int, default=256, help="samples per engine call")
+    parser.add_argument("--write-threads", type=int, default=4)
+    parser.add_argument("--out", type=Path, help="JSON file the results are written to")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, required=True)
-    parser.add_argument("--models", nargs="+", default=["smollm2", "llama1b"])
-    parser.add_argument("--prompts", type=int, default=128)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
+    args = parse(argv)
+    if args.mode:  # a child: one mode, one JSON line
+        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        return
     args.root.mkdir(parents=True, exist_ok=True)
-    for name in args.models:
-        result = measure(name, args.root, args.prompts, args.length, args.repeats)
-        print("RESULT " + json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as handle:
-                handle.write(json.dumps(result) + "\n")
+    write_config(args.model, args.root / args.model, weights=False)
+    if "hf" in args.modes:
+        write_config(args.model, args.root / f"{args.model}-weights", weights=True)
+    results = []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
+    for mode in args.modes:
+        command = [sys.executable, __file__, *(argv or sys.argv[1:]), "--mode", mode]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
+            results.append({"model": args.model, "mode": mode, "error": done.returncode})
+            continue
+        result = json.loads(lines[-1][len("RESULT ") :])
+        results.append(result)
+        print(json.dumps({k: result[k] for k in ("model", "mode", "best_tokens_per_s")}))
+    plain = next((r for r in results if r.get("mode") == "plain" and "error" not in r), None)
+    if plain:
+        for result in results:
+            if "best_tokens_per_s" in result:
+                ratio = result["best_tokens_per_s"] / plain["best_tokens_per_s"]
+                result["ratio_to_plain"] = round(ratio, 3)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        existing = json.loads(args.out.read_text()) if args.out.exists() else []
+        args.out.write_text(json.dumps(existing + results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

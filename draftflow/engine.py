@@ -16,6 +16,7 @@ without creating a CUDA context.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -72,7 +73,8 @@ def engine_env(
 
     CPU build: reserved scheduler cores and matching thread counts
     (``draftflow.workflow.cpu_threads``), and the KV-cache size where old versions ignore the
-    engine argument. GPUs: ``spawn`` for vLLM's worker processes.
+    engine argument. GPUs: ``spawn`` for vLLM's worker processes, and vLLM's own sampler where
+    flashinfer is not installed.
     """
     if model_runner not in MODEL_RUNNERS:
         raise ValueError(f"model_runner {model_runner!r}: allowed are {', '.join(MODEL_RUNNERS)}")
@@ -83,6 +85,9 @@ def engine_env(
             env.update(legacy_cpu_kv_cache_env(installed_vllm_version(), kv_cache_memory_bytes))
     else:
         env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        if importlib.util.find_spec("flashinfer") is None:
+            # vLLM's GPU sampler asks for flashinfer unless told not to.
+            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if model_runner in _RUNNER_ENV:
         env["VLLM_USE_V2_MODEL_RUNNER"] = _RUNNER_ENV[model_runner]
     return env
@@ -129,11 +134,26 @@ def engine_kwargs(
 
 
 def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
-    """Set ``env`` in this process (vLLM's processes inherit it), then start ``vllm.LLM``."""
-    os.environ.update(env)
-    import vllm
+    """Start ``vllm.LLM`` with ``env`` set while it starts its processes (they inherit it).
 
-    return vllm.LLM(**kwargs)
+    The variables are put back afterwards, so one engine's settings (say a model runner) never
+    leak into the next engine started by the same process. vLLM may fill in the argument dicts
+    it is given (the speculative config), so it gets a copy.
+    """
+    import copy
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        import vllm
+
+        return vllm.LLM(**copy.deepcopy(dict(kwargs)))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def shutdown_engine(llm: Any) -> None:

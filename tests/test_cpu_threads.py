@@ -35,7 +35,8 @@ def test_engine_env_per_platform():
     # This machine has no GPU: the CPU build's thread rules; a GPU engine spawns its workers
     # (a driver that touched CUDA cannot fork them).
     assert engine_env(reserved_cpus=1) == cpu_engine_env(1)
-    assert engine_env(reserved_cpus=1, cpu=False) == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert engine_env(reserved_cpus=1, cpu=False)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert "OMP_NUM_THREADS" not in engine_env(reserved_cpus=1, cpu=False)
     assert engine_env(cpu=False, model_runner="v2")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert engine_env(cpu=True, model_runner="v1")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_env(cpu=False)

@@ -22,6 +22,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+
+
+def snakemake_command() -> list[str]:
+    """The venv's snakemake, or this interpreter's module where packages sit on PYTHONPATH
+    (the GPU lane installs its wheels there)."""
+    return [str(SNAKEMAKE)] if SNAKEMAKE.exists() else [sys.executable, "-m", "snakemake"]
+
+
 TINY_CONFIG = REPO / "tests" / "configs" / "tiny.yaml"
 WORKFLOW_PARTS = [
     "Snakefile",
@@ -142,7 +150,8 @@ def snakemake_env(workdir: Path, **extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env["PATH"] = f"{SNAKEMAKE.parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(workdir)
+    # The copy's package first; packages installed on PYTHONPATH (the GPU lane's) stay visible.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))
     env.update(extra)
     return env
 
@@ -156,7 +165,7 @@ def run_snakemake(
 ) -> subprocess.CompletedProcess[str]:
     """``snakemake ARGS`` in ``workdir``; with ``check`` a failure shows the end of its output."""
     result = subprocess.run(
-        [str(SNAKEMAKE), *args],
+        [*snakemake_command(), *args],
         cwd=workdir,
         env=env or snakemake_env(workdir),
         capture_output=True,

@@ -14,6 +14,7 @@ one entry per (timed run, prompt set) under ``runs``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -182,7 +183,7 @@ def run_configuration(request: dict[str, Any]) -> dict[str, Any]:
     if not prompt_sets or empty:
         raise ValueError(f"empty prompt set(s): {empty or 'none given'}")
     sampling = request["sampling"]
-    llm = LLM(**request["engine"])
+    llm = LLM(**copy.deepcopy(request["engine"]))  # vLLM fills in the dicts it is given
     # Warm-up: the first request pays for lazy initialisation; it's outside every timed run.
     first = next(iter(prompt_sets.values()))[0]
     warmup = SamplingParams(temperature=0.0, max_tokens=int(request.get("warmup_tokens", 16)))

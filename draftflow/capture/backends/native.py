@@ -79,9 +79,11 @@ class NativeBackend:
             "kv_connector_extra_config": {"shared_storage_path": self._tmp.name},
         }
         # The KV connector makes the CPU build keep no scheduler core unless told.
+        # vLLM 0.24's Model Runner V2 refuses this speculative method: keep V1 unless told.
+        runner = "v1" if settings.model_runner == "default" else settings.model_runner
         env = engine_env(
             reserved_cpus=settings.reserved_cpus,
-            model_runner=settings.model_runner,
+            model_runner=runner,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         )
         self.llm = start_engine(kwargs, env)

@@ -1,0 +1,131 @@
+"""Capture on a GPU with the official vLLM: hooks (V1 runner and Model Runner V2) and native
+against transformers fp32, with async scheduling on, chunked prefill, preemption and repeated
+calls; and every engine draftflow starts, started from a driver that has already used CUDA.
+
+The prompts and engine shape are the CPU tests' (tests/test_capture.py): more prompts than
+``max_num_seqs``, prompts longer than ``max_num_batched_tokens``, a KV cache of ~880 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftflow.capture.backends import EngineSettings, make_backend
+from draftflow.capture.layers import capture_layers
+from draftflow.capture.verify import cosine_summary, token_cosines
+
+LENGTHS = [7, 600, 33, 250, 120, 7, 410, 64, 300]
+MAX_MODEL_LEN = 641
+# Measured on the CPU build with the same prompts: mean >= 0.9999, p01 >= 0.9995.
+MIN_MEAN_COSINE = 0.995
+MIN_P01_COSINE = 0.995
+
+
+def engine_settings(model_runner: str = "default", **changes) -> EngineSettings:
+    values = {
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_batched_tokens": 128,
+        "max_num_seqs": 4,
+        "kv_cache_memory_bytes": 21_900_000,  # ~880 tokens: requests are preempted
+        "engine_args": {"long_prefill_token_threshold": 32},
+        "model_runner": model_runner,
+        "device": "cuda",
+        **changes,
+    }
+    return EngineSettings(**values)
+
+
+def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def layers(smollm2_dir):
+    return capture_layers(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_dir, layers):
+    """fp32 transformers on the GPU: from here on the driver process holds a CUDA context,
+    so every engine below must start its workers without forking it."""
+    backend = make_backend(
+        "hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN, device="cuda")
+    )
+    assert torch.cuda.is_initialized()
+    yield backend
+    backend.close()
+
+
+def assert_close_to(captured, reference, layer_ids) -> dict:
+    assert [c.shape for c in captured] == [r.shape for r in reference]
+    cosines = torch.cat(
+        [token_cosines(c, r.cpu()) for c, r in zip(captured, reference, strict=True)]
+    )
+    summary = cosine_summary(cosines, layer_ids)
+    for layer, values in summary.items():
+        assert values["mean"] >= MIN_MEAN_COSINE, (layer, values)
+        assert values["p01"] >= MIN_P01_COSINE, (layer, values)
+    return summary
+
+
+def async_scheduling(llm) -> bool:
+    return bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_hooks_match_hf_under_both_runners(runner, smollm2_dir, layers, hf_reference):
+    backend = make_backend("hooks", smollm2_dir, layers.layer_ids, engine_settings(runner))
+    try:
+        assert backend.setup["runner"] == runner and backend.setup["device"].startswith("cuda")
+        assert async_scheduling(backend.llm), "async scheduling is off: not the GPU default"
+        prompts = make_prompts(LENGTHS, seed=0)
+        captured = backend.capture(prompts)
+        stats = backend.last_stats
+        assert stats["requests"] == len(LENGTHS) > 4
+        assert stats["max_forwards_per_request"] > 1, "no prompt was prefilled in chunks"
+        assert stats["overwritten_tokens"] > 0, "no request was preempted and recomputed"
+        summary = assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids)
+        print(f"hooks {runner} vs hf fp32:", summary, stats)
+        # Repeated calls on one engine, reversed order and a duplicate: each its own prompt.
+        again = make_prompts([90, 7, 300, 12], seed=1)
+        for batch in (again, [*reversed(again), again[0]]):
+            assert_close_to(backend.capture(batch), hf_reference.capture(batch), layers.layer_ids)
+    finally:
+        backend.close()
+
+
+def test_native_matches_hf(smollm2_dir, layers, hf_reference):
+    """vLLM's own extractor with its stock (CUDA) connector; vLLM 0.24 runs it under V1."""
+    settings = engine_settings(kv_cache_memory_bytes=64 << 20)
+    backend = make_backend("native", smollm2_dir, layers.layer_ids, settings)
+    try:
+        assert async_scheduling(backend.llm)
+        prompts = make_prompts([7, 600, 33, 250, 120, 64], seed=4)
+        captured = backend.capture(prompts)
+        again = backend.capture(prompts[:2])
+    finally:
+        backend.close()
+    assert [a.shape for a in again] == [(7, 4, 576), (600, 4, 576)]
+    print(
+        "native vs hf fp32:",
+        assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids),
+    )
+
+
+def test_regenerate_engine_starts_after_cuda_was_used(smollm2_dir, hf_reference):
+    """The fork crash: a driver with a CUDA context (hf_reference) starting a generation engine."""
+    from vllm import SamplingParams
+
+    from draftflow.corpus.regenerate import make_engine
+    from draftflow.engine import shutdown_engine
+
+    assert torch.cuda.is_initialized()
+    llm = make_engine(smollm2_dir, max_model_len=256, gpu_memory_utilization=0.2)
+    try:
+        (output,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+        assert len(output.outputs[0].token_ids) == 8
+        assert async_scheduling(llm)
+    finally:
+        shutdown_engine(llm)

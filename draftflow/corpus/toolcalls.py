@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,3 +191,13 @@ def _parse_llama3_json(text: str) -> ParsedAnswer:
 def same_calls(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> bool:
     """Same functions with the same arguments, in the same order (ids do not matter)."""
     return [c["function"] for c in first] == [c["function"] for c in second]
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The message as templates read it: only the fields it has (Llama 3.1 tests
+    ``'tool_calls' in message``), content always a string."""
+    out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+    for key in ("tool_calls", "reasoning_content", "tool_call_id", "name"):
+        if message.get(key):
+            out[key] = message[key]
+    return out

@@ -26,6 +26,8 @@ from typing import Any
 
 import jinja2
 
+from draftflow.corpus.toolcalls import template_message
+
 Message = dict[str, Any]
 
 # A message body no real conversation holds; its first and last characters are rare, so the
@@ -52,16 +54,6 @@ class MaskedTokens:
     truncated: bool = False
     # assistant turns whose tool calls the template does not render (their mask lacks them)
     unrendered_tool_calls: int = 0
-
-
-def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """The message as templates read it: only the fields it has (Llama 3.1 tests
-    ``'tool_calls' in message``), content always a string."""
-    out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
-    for key in ("tool_calls", "reasoning_content", "tool_call_id", "name"):
-        if message.get(key):
-            out[key] = message[key]
-    return out
 
 
 class ChatTemplateMasker:

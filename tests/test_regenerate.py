@@ -351,6 +351,24 @@ def test_diverging_tool_calls_end_the_conversation_without_inventing_results(ans
     assert [m["role"] for m in messages] == ["user", "assistant"]  # no recorded result follows
 
 
+def test_a_result_after_a_text_call_is_not_kept_after_a_text_answer() -> None:
+    text_call = {
+        "id": "test-text-call",
+        "source": "test",
+        "messages": [
+            {"role": "user", "content": "Population of Oslo?"},
+            {"role": "assistant", "content": '[get_population(city="Oslo")]'},
+            {"role": "tool", "content": "709000"},
+            {"role": "assistant", "content": "About 709,000."},
+        ],
+    }
+    talk = dialogue(text_call)
+    talk.accept(talk.next_prompt(), ParsedAnswer(content="I do not know."))
+    assert talk.next_prompt() is None
+    assert talk.result()["tool_calls_diverged"] == 1
+    assert [m["role"] for m in talk.result()["conversation"]["messages"]] == ["user", "assistant"]
+
+
 def test_read_answer_splits_reasoning_and_tool_calls() -> None:
     text = '<think>\nNeed weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'  # fmt: skip
     parsed = read_answer(text, "hermes")

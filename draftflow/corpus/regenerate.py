@@ -207,7 +207,11 @@ class _Dialogue:
             message["reasoning_content"] = answer.reasoning
             self.reasoning_turns += 1
         calls = answer.tool_calls
-        follows_record = same_calls(calls, recorded)
+        after = self.answer_at + 1
+        result_follows = after < len(self.plan) and self.plan[after]["role"] == "tool"
+        # A recorded result after a text answer answers a call written as text (ToolACE's
+        # Python-style calls): a text answer of the target cannot be checked against it.
+        follows_record = same_calls(calls, recorded) and (bool(calls) or not result_follows)
         if calls:
             if follows_record:  # the recorded results answer these calls: keep their ids
                 calls = [

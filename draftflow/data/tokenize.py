@@ -152,7 +152,6 @@ def tokenize_corpus(
                 # The template drops the calls: the turn's mask would teach an empty answer.
                 counts["skipped_tool_calls_not_rendered"] += 1
                 continue
-            counts["tool_call_turns"] += sum(1 for m in messages if m.get("tool_calls"))
             if encoded.truncated:
                 if settings.long_samples == "drop":
                     counts["dropped_long"] += 1
@@ -163,6 +162,7 @@ def tokenize_corpus(
                 counts["skipped_no_masked_tokens"] += 1
                 continue
             counts["samples"] += 1
+            counts["tool_call_turns"] += sum(1 for m in messages if m.get("tool_calls"))
             counts["tokens"] += len(input_ids)
             counts["masked_tokens"] += sum(loss_mask)
             split = assign_split(

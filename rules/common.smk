@@ -38,6 +38,12 @@ def corpus_source_files():
     return [str(resolve_path(source["path"])) for source in config["corpus"]["sources"]]
 
 
+def tokenize_enable_thinking():
+    """The reasoning switch the regenerated answers were made with (None without regenerate)."""
+    section = config["corpus"].get("regenerate", {})
+    return section.get("enable_thinking") if section.get("enabled", False) else None
+
+
 def regenerate_settings():
     """The corpus.regenerate section (defaults from the schema), minus the on/off switch."""
     section = dict(config["corpus"].get("regenerate", {}))

@@ -24,6 +24,8 @@ rule tokenize:
         max_length=config["tokenize"].get("max_length", 2048),
         long_samples=config["tokenize"].get("long_samples", "truncate"),
         max_turns=config["tokenize"].get("max_turns"),
+        # the generation prompt, and so where a turn's mask starts, follows this switch
+        enable_thinking=tokenize_enable_thinking(),
         # token_freq counts train samples only, so the split settings belong here too
         split_seed=config["split"].get("seed", 0),
         val_fraction=config["split"].get("val_fraction", 0.05),

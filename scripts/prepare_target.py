@@ -14,4 +14,5 @@ prepare_target(
     path=target.get("path"),
     dtype=target.get("dtype", "bfloat16"),
     trust_remote_code=target.get("trust_remote_code", False),
+    chat_template=target.get("chat_template"),
 )

@@ -13,6 +13,7 @@ settings = TokenizeSettings(
     max_length=params.max_length,
     long_samples=params.long_samples,
     max_turns=params.max_turns,
+    enable_thinking=params.enable_thinking,
     split_seed=params.split_seed,
     val_fraction=params.val_fraction,
     test_fraction=params.test_fraction,

@@ -14,11 +14,15 @@ import pytest
 from draftflow.corpus.regenerate import (
     PROGRESS_FORMAT,
     RegenerateSettings,
+    _Dialogue,
+    answer_parser,
     load_progress,
     make_engine,
     planned_messages,
+    read_answer,
     regenerate,
 )
+from draftflow.corpus.toolcalls import ParsedAnswer
 
 MAX_MODEL_LEN = 256
 SETTINGS = RegenerateSettings(temperature=0.0, max_tokens=8, batch_size=2)
@@ -262,3 +266,187 @@ def test_regenerate_rule_runs_in_snakemake(
     assert summary["dropped"]["prompt_too_long"] == 1
     assert not (workdir / "results/corpus/regenerated.progress.jsonl").exists()
     assert "regenerate: kept 3 of 4" in (workdir / "logs/regenerate.log").read_text()
+
+
+# ------------------------------------------------------------------ tool use and reasoning
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def weather_call(city: str, call_id: str = "call_1") -> dict:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": city}},
+    }
+
+
+TOOL_CONVERSATION = {
+    "id": "test-tools",
+    "source": "test",
+    "tools": [WEATHER_TOOL],
+    "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [weather_call("Paris")]},
+        {"role": "tool", "content": '{"temp_c": 18}', "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "OLD: 18 degrees."},
+        {"role": "user", "content": "And in Rome?"},
+        {"role": "assistant", "content": "OLD: no idea."},
+    ],
+}
+
+
+def dialogue(conversation: dict = TOOL_CONVERSATION) -> _Dialogue:
+    return _Dialogue(conversation, planned_messages(conversation["messages"], None))
+
+
+def test_matching_tool_calls_keep_the_recorded_results() -> None:
+    talk = dialogue()
+    prompt = talk.next_prompt()
+    assert prompt == TOOL_CONVERSATION["messages"][:1]
+    # the target calls the same function with the same arguments (no id: ids are the record's)
+    same = weather_call("Paris")
+    del same["id"]
+    talk.accept(prompt, ParsedAnswer(content="", tool_calls=[same]))
+    prompt = talk.next_prompt()
+    assert prompt[1]["tool_calls"] == [weather_call("Paris")]
+    assert prompt[2] == TOOL_CONVERSATION["messages"][2]  # the recorded result, verbatim
+    talk.accept(prompt, ParsedAnswer(content="Mild.", reasoning="It said 18."))
+    assert talk.history[-1] == {"role": "assistant", "content": "Mild.", "reasoning_content": "It said 18."}  # fmt: skip
+    prompt = talk.next_prompt()
+    assert prompt[-1] == {"role": "user", "content": "And in Rome?"}
+    talk.accept(prompt, ParsedAnswer(content="Warm."))
+    assert talk.next_prompt() is None
+    result = talk.result()
+    assert result["outcome"] == "regenerated"
+    assert (result["tool_calls"], result["tool_calls_diverged"], result["reasoning_turns"]) == (1, 0, 1)  # fmt: skip
+    assert result["conversation"]["tools"] == [WEATHER_TOOL]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        ParsedAnswer(content="", tool_calls=[weather_call("Lyon")]),  # other arguments
+        ParsedAnswer(content="I cannot check the weather."),  # no call at all
+        ParsedAnswer(content="<tool_call>{broken", unparsed=True),  # unreadable: text
+    ],
+)
+def test_diverging_tool_calls_end_the_conversation_without_inventing_results(answer) -> None:
+    talk = dialogue()
+    prompt = talk.next_prompt()
+    talk.accept(prompt, answer)
+    assert talk.next_prompt() is None
+    result = talk.result()
+    assert result["outcome"] == "shortened"
+    assert result["tool_calls_diverged"] == 1
+    assert result["unparsed_tool_calls"] == int(answer.unparsed)
+    messages = result["conversation"]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]  # no recorded result follows
+
+
+def test_a_result_after_a_text_call_is_not_kept_after_a_text_answer() -> None:
+    text_call = {
+        "id": "test-text-call",
+        "source": "test",
+        "messages": [
+            {"role": "user", "content": "Population of Oslo?"},
+            {"role": "assistant", "content": '[get_population(city="Oslo")]'},
+            {"role": "tool", "content": "709000"},
+            {"role": "assistant", "content": "About 709,000."},
+        ],
+    }
+    talk = dialogue(text_call)
+    talk.accept(talk.next_prompt(), ParsedAnswer(content="I do not know."))
+    assert talk.next_prompt() is None
+    assert talk.result()["tool_calls_diverged"] == 1
+    assert [m["role"] for m in talk.result()["conversation"]["messages"]] == ["user", "assistant"]
+
+
+def test_read_answer_splits_reasoning_and_tool_calls() -> None:
+    text = '<think>\nNeed weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'  # fmt: skip
+    parsed = read_answer(text, "hermes")
+    assert parsed.reasoning == "Need weather."
+    assert parsed.content == ""
+    assert [c["function"] for c in parsed.tool_calls] == [weather_call("Oslo")["function"]]
+    assert read_answer("Plain.", "none") == ParsedAnswer(content="Plain.")
+
+
+@pytest.mark.vllm
+def test_tool_conversation_regenerated_turn_by_turn(llm, tmp_path: Path) -> None:
+    """SmolLM2's own template renders no tools: the target answers in text, so the recorded
+    tool result is not used and the conversation ends after the target's first turn."""
+    summary = regenerate(
+        [TOOL_CONVERSATION],
+        llm,
+        SETTINGS,
+        output=tmp_path / "out.jsonl",
+        summary=tmp_path / "summary.json",
+        progress=tmp_path / "progress.jsonl",
+        run_fingerprint="tools",
+    )
+    [out] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    source = TOOL_CONVERSATION["messages"]
+    assert out["messages"][0] == source[0]
+    assert out["messages"][1] == {"role": "assistant", "content": greedy(llm, source[:1])}
+    assert len(out["messages"]) == 2
+    assert out["tools"] == [WEATHER_TOOL]
+    assert summary["tool_calls_diverged"] == 1
+    assert summary["outcomes"]["shortened"] == 1
+
+
+@pytest.mark.vllm
+def test_tool_template_prompts_carry_tools_and_the_thinking_switch(
+    llm, tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a Qwen3-style template (tests/data/templates/qwen3.jinja) the prompt lists the tools
+    and ends in the think block enable_thinking false prefills; answers are read as Hermes.
+    vLLM's tokenizer copies cannot take another template: the stage gets SmolLM2's own
+    tokenizer with that template (the engine, whose weights answer, is the same)."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    tokenizer.chat_template = (Path(__file__).parent / "data/templates/qwen3.jinja").read_text()
+    monkeypatch.setattr(llm, "get_tokenizer", lambda: tokenizer)
+    settings = RegenerateSettings(
+        temperature=0.0, max_tokens=8, batch_size=2, enable_thinking=False
+    )
+    assert answer_parser(settings, tokenizer) == "hermes"
+    summary = regenerate(
+        [TOOL_CONVERSATION],
+        llm,
+        settings,
+        output=tmp_path / "out.jsonl",
+        summary=tmp_path / "summary.json",
+        progress=tmp_path / "progress.jsonl",
+        run_fingerprint="qwen3",
+    )
+    [out] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    prompt = tokenizer.apply_chat_template(
+        out["messages"][:1],
+        tools=[WEATHER_TOOL],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    assert '"name": "get_weather"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    [expected] = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(temperature=0.0, max_tokens=8),
+        use_tqdm=False,
+    )
+    first = read_answer(expected.outputs[0].text, "hermes")
+    assert out["messages"][0] == TOOL_CONVERSATION["messages"][0]
+    assert out["messages"][1]["content"] == first.content
+    assert out["messages"][1].get("tool_calls", []) == first.tool_calls
+    assert summary["answers_generated"] >= 1

@@ -1,20 +1,44 @@
 """Record layouts of chat corpora (ShareGPT, OpenAI messages) and their normalisation.
 
-A parsed record becomes a list of ``{"role": "system|user|assistant", "content": str}`` messages
-(the conversation schema in docs/design.md). Anything that cannot be read that way raises
-:class:`BadRecord` with a reason from :data:`BAD_RECORD_REASONS`.
+A parsed record becomes a list of messages in the conversation schema of docs/design.md:
+``{"role": "system|user|assistant|tool", "content": str}``, assistant messages optionally with
+``tool_calls`` and ``reasoning_content``, tool messages optionally with ``tool_call_id`` and
+``name``, plus the conversation's ``tools`` (function schemas). Anything that cannot be read that
+way raises :class:`BadRecord` with a reason from :data:`BAD_RECORD_REASONS`.
+
+Tool use is read in these layouts:
+
+- OpenAI messages: assistant ``tool_calls`` (``content`` may then be null), the legacy
+  ``function_call``, ``tool`` (and legacy ``function``) messages, a record-level ``tools`` list;
+- ShareGPT with LLaMA-Factory's function-call turns (its glaive and ToolACE conversions):
+  ``from: function_call`` (a JSON call or list of calls) and ``from: observation`` (the result),
+  record-level ``system`` and ``tools`` (a JSON string or a list);
+- ShareGPT in Hermes' style (hermes-function-calling, ToolACE): ``from: tool`` results, and
+  ``<tool_call>{json}</tool_call>`` blocks in ``gpt`` turns, read as tool calls (a block that is
+  not a JSON call leaves the turn as text); ``<tool_response>`` wrappers are removed.
+
+Reasoning is kept from ``reasoning_content`` (or ``reasoning``) fields, or from a
+``<think>...</think>`` block opening an assistant's text, and stored as ``reasoning_content``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
+
+from draftflow.corpus.toolcalls import (
+    normalise_tool_calls,
+    normalise_tools,
+    parse_tool_calls,
+    split_reasoning,
+    strip_tool_response,
+)
 
 FORMATS = ("auto", "sharegpt", "openai")
 Format = Literal["auto", "sharegpt", "openai"]
 
-# Role spellings seen in ShareGPT dumps and OpenAI-style files, mapped to the three we keep.
+# Role spellings seen in ShareGPT dumps and OpenAI-style files, mapped to the four we keep.
 ROLE_ALIASES = {
     "human": "user",
     "user": "user",
@@ -25,7 +49,12 @@ ROLE_ALIASES = {
     "assistant": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",  # OpenAI's legacy function-result role
+    "observation": "tool",  # LLaMA-Factory
 }
+# ShareGPT turns that are an assistant's tool call, their value the call itself (LLaMA-Factory).
+FUNCTION_CALL_ROLES = ("function_call",)
 
 # Reasons a record is *bad* (written to the rejects file; `on_bad_record: fail` stops on them).
 INVALID_JSON = "invalid_json"
@@ -34,6 +63,7 @@ MISSING_FIELD = "missing_field"
 WRONG_TYPE = "wrong_type"
 UNKNOWN_ROLE = "unknown_role"
 NON_STRING_CONTENT = "non_string_content"
+BAD_TOOL_CALL = "bad_tool_call"
 BAD_RECORD_REASONS = (
     INVALID_JSON,
     BAD_UTF8,
@@ -41,18 +71,24 @@ BAD_RECORD_REASONS = (
     WRONG_TYPE,
     UNKNOWN_ROLE,
     NON_STRING_CONTENT,
+    BAD_TOOL_CALL,
 )
 
 
 class Message(TypedDict):
     role: str
     content: str
+    tool_calls: NotRequired[list[dict[str, Any]]]
+    reasoning_content: NotRequired[str]
+    tool_call_id: NotRequired[str]
+    name: NotRequired[str]
 
 
 class Conversation(TypedDict):
     id: str
     source: str
     messages: list[Message]
+    tools: NotRequired[list[dict[str, Any]]]
 
 
 class BadRecord(Exception):
@@ -83,8 +119,10 @@ _FIELDS = {
 }
 
 
-def parse_record(record: Any, fmt: Format) -> tuple[str | None, str, list[Message]]:
-    """Return (the source's own id or None, the detected layout, normalised messages).
+def parse_record(
+    record: Any, fmt: Format
+) -> tuple[str | None, str, list[Message], list[dict[str, Any]]]:
+    """Return (the source's own id or None, the detected layout, normalised messages, tools).
 
     Raises BadRecord for a wrong layout; does not judge the conversation (see clean_messages).
     """
@@ -101,6 +139,11 @@ def parse_record(record: Any, fmt: Format) -> tuple[str | None, str, list[Messag
         raise BadRecord(WRONG_TYPE, f"{list_field!r} is a {type(turns).__name__}, not a list")
 
     messages: list[Message] = []
+    system = record.get("system") if layout == "sharegpt" else None
+    if system is not None:  # LLaMA-Factory keeps the system prompt beside the turns
+        if not isinstance(system, str):
+            raise BadRecord(NON_STRING_CONTENT, f"'system' is a {type(system).__name__}")
+        messages.append({"role": "system", "content": _text(system, "system")})
     for number, turn in enumerate(turns):
         where = f"{list_field}[{number}]"
         if not isinstance(turn, dict):
@@ -111,23 +154,18 @@ def parse_record(record: Any, fmt: Format) -> tuple[str | None, str, list[Messag
         raw_role = turn[role_field]
         if not isinstance(raw_role, str):
             raise BadRecord(WRONG_TYPE, f"{where}.{role_field} is a {type(raw_role).__name__}")
-        role = ROLE_ALIASES.get(raw_role.strip().lower())
-        if role is None:
-            raise BadRecord(
-                UNKNOWN_ROLE,
-                f"{where}.{role_field} = {raw_role[:40]!r}; known: {', '.join(sorted(ROLE_ALIASES))}",
-            )
-        content = turn[content_field]
-        if not isinstance(content, str):
-            raise BadRecord(
-                NON_STRING_CONTENT,
-                f"{where}.{content_field} is a {type(content).__name__}, not a string",
-            )
-        if not is_encodable(content):
-            raise BadRecord(
-                BAD_UTF8, f"{where}.{content_field} has a lone surrogate (\\ud800-\\udfff)"
-            )
-        messages.append({"role": role, "content": content})
+        if layout == "sharegpt":
+            messages.append(_sharegpt_message(turn, raw_role.strip().lower(), where))
+        else:
+            messages.append(_openai_message(turn, raw_role.strip().lower(), where))
+
+    tools: list[dict[str, Any]] = []
+    if record.get("tools") is not None:
+        try:
+            tools = normalise_tools(record["tools"])
+        except ValueError as error:
+            raise BadRecord(BAD_TOOL_CALL, f"'tools': {error}") from None
+        _check_encodable(json.dumps(tools, ensure_ascii=False), "tools")
 
     source_id = record.get("id")
     if source_id is not None and (
@@ -138,7 +176,87 @@ def parse_record(record: Any, fmt: Format) -> tuple[str | None, str, list[Messag
         )
     if isinstance(source_id, str) and not is_encodable(source_id):
         raise BadRecord(BAD_UTF8, "'id' has a lone surrogate")
-    return (None if source_id is None else str(source_id)), layout, messages
+    return (None if source_id is None else str(source_id)), layout, messages, tools
+
+
+def _role(raw_role: str, where: str) -> str:
+    role = ROLE_ALIASES.get(raw_role)
+    if role is None:
+        known = sorted([*ROLE_ALIASES, *FUNCTION_CALL_ROLES])
+        raise BadRecord(UNKNOWN_ROLE, f"{where} = {raw_role[:40]!r}; known: {', '.join(known)}")
+    return role
+
+
+def _text(content: Any, where: str) -> str:
+    if not isinstance(content, str):
+        raise BadRecord(NON_STRING_CONTENT, f"{where} is a {type(content).__name__}, not a string")
+    _check_encodable(content, where)
+    return content
+
+
+def _check_encodable(text: str, where: str) -> None:
+    if not is_encodable(text):
+        raise BadRecord(BAD_UTF8, f"{where} has a lone surrogate (\\ud800-\\udfff)")
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    try:
+        calls = normalise_tool_calls(raw)
+    except ValueError as error:
+        raise BadRecord(BAD_TOOL_CALL, f"{where}: {error}") from None
+    _check_encodable(json.dumps(calls, ensure_ascii=False), where)
+    return calls
+
+
+def _with_reasoning(message: Message, reasoning: Any, where: str) -> Message:
+    """Reasoning from a field, else from a ``<think>`` block opening the text."""
+    if reasoning is None:
+        reasoning, message["content"] = split_reasoning(message["content"])
+    if reasoning is not None:
+        message["reasoning_content"] = _text(reasoning, where)
+    return message
+
+
+def _openai_message(turn: dict[str, Any], raw_role: str, where: str) -> Message:
+    role = _role(raw_role, f"{where}.role")
+    content = turn["content"]
+    calls = turn.get("tool_calls") or (
+        [turn["function_call"]] if turn.get("function_call") is not None else None
+    )
+    if calls is not None and role != "assistant":
+        raise BadRecord(BAD_TOOL_CALL, f"{where}: tool calls on a {role!r} message")
+    if content is None and calls is not None:  # a turn that only calls tools
+        content = ""
+    message: Message = {"role": role, "content": _text(content, f"{where}.content")}
+    if calls is not None:
+        message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if role == "assistant":
+        reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+        return _with_reasoning(message, reasoning, f"{where}.reasoning_content")
+    if role == "tool":
+        for field in ("tool_call_id", "name"):
+            if turn.get(field) is not None:
+                message[field] = _text(turn[field], f"{where}.{field}")
+    return message
+
+
+def _sharegpt_message(turn: dict[str, Any], raw_role: str, where: str) -> Message:
+    value = turn["value"]
+    if raw_role in FUNCTION_CALL_ROLES:
+        if not isinstance(value, str | dict | list):
+            raise BadRecord(BAD_TOOL_CALL, f"{where}.value is a {type(value).__name__}")
+        return {"role": "assistant", "content": "", "tool_calls": _tool_calls(value, where)}
+    role = _role(raw_role, f"{where}.from")
+    message: Message = {"role": role, "content": _text(value, f"{where}.value")}
+    if role == "tool":
+        message["content"] = strip_tool_response(message["content"])
+    elif role == "assistant":
+        message = _with_reasoning(message, None, f"{where}.value")
+        parsed = parse_tool_calls(message["content"], "hermes")
+        if parsed.tool_calls:
+            message["content"] = parsed.content
+            message["tool_calls"] = parsed.tool_calls
+    return message
 
 
 def is_encodable(text: str) -> bool:
@@ -156,27 +274,51 @@ def clean_messages(messages: list[Message]) -> list[Message]:
 
     Empty (whitespace-only) turns teach the draft nothing and break role alternation in chat
     templates; a leading assistant turn answers a question the corpus does not show (ShareGPT
-    has many, from split conversations). Content is otherwise kept verbatim.
+    has many, from split conversations). An assistant turn with tool calls or reasoning is not
+    empty, nor is a tool result (an empty result still answers its call). Content is otherwise
+    kept verbatim.
     """
-    kept = [message for message in messages if message["content"].strip()]
+    kept = [message for message in messages if _carries_something(message)]
     first_user = next((i for i, m in enumerate(kept) if m["role"] == "user"), len(kept))
     return [m for i, m in enumerate(kept) if i >= first_user or m["role"] != "assistant"]
 
 
-def content_hash(messages: list[Message]) -> str:
-    """sha1 of the normalised messages: equal conversations hash equal whatever their source."""
-    canonical = json.dumps(
-        [[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":")
+def _carries_something(message: Message) -> bool:
+    return bool(
+        message["content"].strip()
+        or message.get("tool_calls")
+        or message.get("reasoning_content", "").strip()
+        or message["role"] == "tool"
     )
+
+
+def content_hash(messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
+    """sha1 of the normalised messages: equal conversations hash equal whatever their source.
+
+    Plain messages hash as [role, content] (so the ids of plain corpora stay as they were); the
+    fields of tool use and reasoning, and the tools, are added only where present.
+    """
+    rows: list[Any] = []
+    for m in messages:
+        extra = {key: value for key, value in m.items() if key not in ("role", "content")}
+        rows.append([m["role"], m["content"], extra] if extra else [m["role"], m["content"]])
+    if tools:
+        rows.append(["tools", tools])
+    canonical = json.dumps(rows, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
     return hashlib.sha1(canonical.encode("utf-8")).hexdigest()
 
 
-def conversation_id(source: str, source_id: str | None, messages: list[Message]) -> str:
+def conversation_id(
+    source: str,
+    source_id: str | None,
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """Stable id: the source name plus a hash of the source's own id, else of the content."""
     digest = (
         hashlib.sha1(source_id.encode("utf-8")).hexdigest()
         if source_id is not None
-        else content_hash(messages)
+        else content_hash(messages, tools)
     )
     return f"{source}-{digest[:16]}"
 

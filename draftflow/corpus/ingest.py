@@ -3,8 +3,9 @@
 For every record of every source, in order:
 
 1. parse (formats.parse_record); a *bad record* (invalid JSON, bad UTF-8, missing field,
-   wrong type, unknown role, non-string content) goes to the rejects file with file, line and
-   index, or stops the run when ``on_bad_record`` is ``fail``;
+   wrong type, unknown role, non-string content, a tool call or tool list that cannot be read)
+   goes to the rejects file with file, line and index, or stops the run when ``on_bad_record``
+   is ``fail``;
 2. clean (formats.clean_messages: empty turns and leading assistant turns removed), then drop
    ``empty`` (no turn left) and ``one_sided`` (no user or no assistant turn) conversations;
 3. drop ``duplicate`` (same normalised messages as an earlier conversation, any source) and
@@ -184,7 +185,7 @@ def _read_sources(
                 try:
                     if record.error is not None:
                         raise BadRecord(*record.error)
-                    source_id, layout, messages = parse_record(record.value, source.format)
+                    source_id, layout, messages, tools = parse_record(record.value, source.format)
                 except BadRecord as bad:
                     snippet = record.snippet or _snippet(record.value)
                     _reject(rejects_file, source, path, record.line, record.index, bad, snippet)
@@ -197,7 +198,7 @@ def _read_sources(
                     continue
                 tally.layouts[layout] += 1
                 reason, conversation = _judge(
-                    source.name, source_id, messages, seen_content, seen_ids
+                    source.name, source_id, messages, tools, seen_content, seen_ids
                 )
                 if reason is not None:
                     tally.dropped[reason] += 1
@@ -227,6 +228,7 @@ def _judge(
     source: str,
     source_id: str | None,
     messages: list[Any],
+    tools: list[dict[str, Any]],
     seen_content: set[str],
     seen_ids: set[str],
 ) -> tuple[str | None, dict[str, Any]]:
@@ -237,15 +239,18 @@ def _judge(
     roles = {message["role"] for message in messages}
     if "user" not in roles or "assistant" not in roles:
         return ONE_SIDED, {}
-    digest = content_hash(messages)
+    digest = content_hash(messages, tools)
     if digest in seen_content:
         return DUPLICATE, {}
-    conv_id = conversation_id(source, source_id, messages)
+    conv_id = conversation_id(source, source_id, messages, tools)
     if conv_id in seen_ids:
         return DUPLICATE_ID, {}
     seen_content.add(digest)
     seen_ids.add(conv_id)
-    return None, {"id": conv_id, "source": source, "messages": messages}
+    conversation = {"id": conv_id, "source": source, "messages": messages}
+    if tools:
+        conversation["tools"] = tools
+    return None, conversation
 
 
 def _select_subset(

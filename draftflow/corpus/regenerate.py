@@ -6,6 +6,15 @@ not on the answers of whatever model wrote the corpus. Turn k is answered condit
 answers. Conversations are batched turn by turn (all first turns of a batch in one engine call,
 then all second turns, ...).
 
+Tool use: the target writes its own tool calls (parsed out of its text in the syntax its template
+teaches, ``draftflow.corpus.toolcalls``); the recorded tool results are kept, never invented, so
+a conversation goes on past a tool call only while the target calls the same functions with the
+same arguments as the original did. When it calls something else (or nothing, or calls a tool
+where the original answered), its turn is kept and the conversation ends there. Text that looks
+like a tool call but cannot be read as one stays text, counted in the summary. Reasoning
+(``<think>`` blocks) is stored as ``reasoning_content``; ``enable_thinking`` is passed to the
+chat template when set.
+
 Crash safety: each finished batch is appended to a progress file (JSONL, flushed and fsynced);
 a restart with the same inputs and settings skips every conversation already there. The
 progress file starts with a fingerprint of input, model and settings; a different fingerprint
@@ -13,8 +22,9 @@ means a stale file, which is discarded.
 
 Outcomes per conversation:
 - ``regenerated``: every planned assistant turn answered;
-- ``shortened``: a later turn's prompt no longer fits the context, or the target's answer was
-  empty; the conversation ends after the last good answer (kept);
+- ``shortened``: a later turn's prompt no longer fits the context, the target's answer was
+  empty, or its tool calls left the recorded ones; the conversation ends after the last good
+  answer (kept);
 - ``prompt_too_long`` / ``empty_answer``: the same for the first turn (dropped);
 - ``no_assistant_turn``: nothing to answer (dropped; ingest never writes such conversations).
 """
@@ -34,6 +44,15 @@ from typing import Any
 from tqdm import tqdm
 
 from draftflow.corpus.formats import Conversation, Message
+from draftflow.corpus.toolcalls import (
+    TOOL_CALL_PARSERS,
+    ParsedAnswer,
+    detect_parser,
+    parse_tool_calls,
+    same_calls,
+    split_reasoning,
+    template_message,
+)
 from draftflow.io import atomic_path, atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -47,6 +66,8 @@ KEPT_OUTCOMES = (REGENERATED, SHORTENED)
 DROP_OUTCOMES = (PROMPT_TOO_LONG, EMPTY_ANSWER, NO_ASSISTANT_TURN)
 OUTCOMES = KEPT_OUTCOMES + DROP_OUTCOMES
 PROGRESS_FORMAT = "draftflow-regenerate-progress/1"
+# Per-conversation counters of tool use and reasoning, summed in the summary.
+TOOL_STATS = ("tool_calls", "unparsed_tool_calls", "tool_calls_diverged", "reasoning_turns")
 
 
 @dataclass(frozen=True)
@@ -57,6 +78,19 @@ class RegenerateSettings:
     max_turns: int | None = None
     batch_size: int = 64
     seed: int = 0
+    # the chat template's reasoning switch (Qwen3's enable_thinking); None: not passed
+    enable_thinking: bool | None = None
+    # tool-call syntax of the target's answers; auto: from its chat template
+    tool_call_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser {self.tool_call_parser!r}: allowed {list(TOOL_CALL_PARSERS)}"
+            )
+
+    def template_kwargs(self) -> dict[str, bool]:
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
     @classmethod
     def from_config(cls, section: dict[str, Any]) -> RegenerateSettings:
@@ -105,7 +139,8 @@ def engine_max_model_len(llm: Any) -> int:
 def planned_messages(messages: Sequence[Message], max_turns: int | None) -> list[Message]:
     """The original up to its last assistant turn to regenerate (at most ``max_turns`` of them).
 
-    User turns after the last regenerated answer are dropped: nothing would answer them.
+    User turns and tool results after the last regenerated answer are dropped: nothing would
+    answer them. Messages keep all their fields (tool calls, tool_call_id, ...).
     """
     planned: list[Message] = []
     answered = 0
@@ -113,7 +148,7 @@ def planned_messages(messages: Sequence[Message], max_turns: int | None) -> list
     for message in messages:
         if max_turns is not None and answered >= max_turns:
             break
-        planned.append({"role": message["role"], "content": message["content"]})
+        planned.append(dict(message))  # type: ignore[arg-type]
         if message["role"] == "assistant":
             answered += 1
             last_answer_end = len(planned)
@@ -138,6 +173,10 @@ class _Dialogue:
     answers: int = 0
     outcome: str | None = None
     generated_tokens: int = 0
+    tool_calls: int = 0  # tool calls the target wrote
+    unparsed_tool_calls: int = 0  # turns whose tool-call text could not be read
+    diverged: bool = False  # the target's tool calls left the recorded ones
+    reasoning_turns: int = 0
 
     def next_prompt(self) -> list[Message] | None:
         """History plus the original turns up to the next assistant turn; None when done."""
@@ -150,10 +189,38 @@ class _Dialogue:
         self.outcome = REGENERATED if self.answers else NO_ASSISTANT_TURN
         return None
 
-    def accept(self, prompt: list[Message], answer: str) -> None:
-        self.history = [*prompt, {"role": "assistant", "content": answer}]
+    def accept(self, prompt: list[Message], answer: ParsedAnswer) -> None:
+        """Add the target's turn; end the conversation if the recorded results no longer fit."""
+        original = self.plan[self.answer_at]
+        recorded = original.get("tool_calls") or []
+        message: Message = {"role": "assistant", "content": answer.content}
+        if answer.reasoning is not None:
+            message["reasoning_content"] = answer.reasoning
+            self.reasoning_turns += 1
+        calls = answer.tool_calls
+        after = self.answer_at + 1
+        result_follows = after < len(self.plan) and self.plan[after]["role"] == "tool"
+        # A recorded result after a text answer answers a call written as text (ToolACE's
+        # Python-style calls): a text answer of the target cannot be checked against it.
+        follows_record = same_calls(calls, recorded) and (bool(calls) or not result_follows)
+        if calls:
+            if follows_record:  # the recorded results answer these calls: keep their ids
+                calls = [
+                    {**call, "id": old["id"]} if "id" in old else call
+                    for call, old in zip(calls, recorded, strict=True)
+                ]
+            message["tool_calls"] = calls
+            self.tool_calls += len(calls)
+        self.unparsed_tool_calls += int(answer.unparsed)
+        self.history = [*prompt, message]
         self.cursor = self.answer_at + 1
         self.answers += 1
+        later_turns = any(m["role"] == "assistant" for m in self.plan[self.cursor :])
+        if not follows_record and later_turns:
+            # The next recorded messages answer calls the target did not make (or miss the
+            # results of calls it did make): continuing would invent what the tools said.
+            self.diverged = True
+            self.outcome = SHORTENED
 
     def stop(self, reason_first_turn: str) -> None:
         """No further answer: drop the conversation if it has none yet, else keep what exists."""
@@ -161,21 +228,38 @@ class _Dialogue:
 
     def result(self) -> dict[str, Any]:
         kept = self.outcome in KEPT_OUTCOMES
+        conversation: dict[str, Any] = {
+            "id": self.conversation["id"],
+            "source": self.conversation["source"],
+            "messages": self.history,
+        }
+        if self.conversation.get("tools"):
+            conversation["tools"] = self.conversation["tools"]
         return {
             "id": self.conversation["id"],
             "outcome": self.outcome,
             "answers": self.answers,
             "generated_tokens": self.generated_tokens,
-            "conversation": (
-                {
-                    "id": self.conversation["id"],
-                    "source": self.conversation["source"],
-                    "messages": self.history,
-                }
-                if kept
-                else None
-            ),
+            "tool_calls": self.tool_calls,
+            "unparsed_tool_calls": self.unparsed_tool_calls,
+            "tool_calls_diverged": int(self.diverged),
+            "reasoning_turns": self.reasoning_turns,
+            "conversation": conversation if kept else None,
         }
+
+
+def read_answer(text: str, parser: str) -> ParsedAnswer:
+    """The target's generated text as reasoning, text and tool calls."""
+    reasoning, rest = split_reasoning(text, generated=True)
+    parsed = parse_tool_calls(rest, parser)
+    parsed.reasoning = reasoning
+    return parsed
+
+
+def answer_parser(settings: RegenerateSettings, tokenizer: Any) -> str:
+    if settings.tool_call_parser != "auto":
+        return settings.tool_call_parser
+    return detect_parser(getattr(tokenizer, "chat_template", None) or "")
 
 
 def regenerate_batch(
@@ -189,6 +273,7 @@ def regenerate_batch(
     from vllm.inputs import TokensPrompt
 
     tokenizer = llm.get_tokenizer()
+    parser = answer_parser(settings, tokenizer)
     dialogues = [
         _Dialogue(conversation, planned_messages(conversation["messages"], settings.max_turns))
         for conversation in conversations
@@ -199,7 +284,14 @@ def regenerate_batch(
             prompt = dialogue.next_prompt()
             if prompt is None:
                 continue
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            tools = dialogue.conversation.get("tools") or None
+            text = tokenizer.apply_chat_template(
+                [template_message(m) for m in prompt],
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **settings.template_kwargs(),
+            )
             token_ids = tokenizer.encode(text, add_special_tokens=False)
             if len(token_ids) >= max_model_len:  # not even one token of answer would fit
                 dialogue.stop(PROMPT_TOO_LONG)
@@ -224,10 +316,11 @@ def regenerate_batch(
         for (dialogue, prompt, _), output in zip(requests, outputs, strict=True):
             completion = output.outputs[0]
             dialogue.generated_tokens += len(completion.token_ids)
-            if not completion.text.strip():
+            answer = read_answer(completion.text, parser)
+            if not (answer.content.strip() or answer.tool_calls):
                 dialogue.stop(EMPTY_ANSWER)
                 continue
-            dialogue.accept(prompt, completion.text)
+            dialogue.accept(prompt, answer)
     return [dialogue.result() for dialogue in dialogues]
 
 
@@ -378,12 +471,15 @@ def _write_outputs(
 ) -> dict[str, Any]:
     outcomes: Counter[str] = Counter()
     answers = generated_tokens = 0
+    tool_stats: Counter[str] = Counter()
     with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         for conversation in conversations:  # input order: ingest's sorted order
             entry = done[conversation["id"]]
             outcomes[entry["outcome"]] += 1
             answers += entry["answers"]
             generated_tokens += entry["generated_tokens"]
+            for key in TOOL_STATS:
+                tool_stats[key] += entry.get(key, 0)
             if entry["outcome"] in KEPT_OUTCOMES:
                 handle.write(json.dumps(entry["conversation"], ensure_ascii=False) + "\n")
     kept = sum(outcomes[outcome] for outcome in KEPT_OUTCOMES)
@@ -394,6 +490,7 @@ def _write_outputs(
         "outcomes": {outcome: outcomes[outcome] for outcome in OUTCOMES},
         "answers_generated": answers,
         "generated_tokens": generated_tokens,
+        **{key: tool_stats[key] for key in TOOL_STATS},
         "max_model_len": max_model_len,
         "settings": asdict(settings),
     }

@@ -1,19 +1,38 @@
-"""Loss masks from any chat template: 1 on assistant-written tokens and their end-of-turn marker.
+"""Loss masks from any chat template: 1 on what the target writes in its turns.
 
-The template is treated as a black box. For each assistant message we render the conversation
-up to that message with and without it; the difference is the assistant's turn (content plus
-end-of-turn marker, e.g. ``<|im_end|>`` or ``<|eot_id|>``). Character spans are then mapped to
-tokens through the fast tokenizer's offsets. Role headers, system prompts a template adds by
-itself and whitespace after the end-of-turn marker stay unmasked.
+The target writes its assistant turns: their text, their tool calls, their reasoning where the
+template renders it, and the end-of-turn marker (``<|im_end|>``, ``<|eot_id|>``, ...). Role
+headers, system and user text, tool results and whitespace after the end-of-turn marker stay
+unmasked.
+
+The template is treated as a black box. For each assistant message the conversation is rendered
+again with that message replaced by a *sentinel* (an assistant message holding only a marker
+string): what the two renderings share before and after the turn is template scaffolding, what
+differs is the message as the template renders it (a tool call's fixed syntax included, since
+it differs from the sentinel's). The span starts where the assistant header (the generation
+prompt) ends and runs to the end-of-turn marker. A think block the template writes for every
+turn, reasoning or not (Qwen3's empty ``<think>\n\n</think>``), is shared with the sentinel and
+left unmasked; a think block holding the message's reasoning is masked. Templates that refuse
+the sentinel fall back to rendering prefixes of the conversation (prefix-stable templates:
+ChatML, Llama 3, Gemma, ...). Character spans are then mapped to tokens through the fast
+tokenizer's offsets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-Message = dict[str, str]
+import jinja2
+
+from draftflow.corpus.toolcalls import template_message
+
+Message = dict[str, Any]
+
+# A message body no real conversation holds; its first and last characters are rare, so the
+# renderings with and without it share no characters by accident at the turn's edges.
+SENTINEL = "\u27e6draftflow-sentinel\u27e7"
 
 
 class ChatTemplateError(ValueError):
@@ -33,12 +52,18 @@ class MaskedTokens:
     loss_mask: list[int]
     # True when the conversation had more tokens than the limit and was cut to it
     truncated: bool = False
+    # assistant turns whose tool calls the template does not render (their mask lacks them)
+    unrendered_tool_calls: int = 0
 
 
 class ChatTemplateMasker:
-    """Renders conversations with a tokenizer's chat template and marks assistant tokens."""
+    """Renders conversations with a tokenizer's chat template and marks the target's tokens.
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``template_kwargs`` go to every rendering (e.g. ``enable_thinking``: the generation prompt,
+    and so where a turn starts, follows the switch the answers were generated with).
+    """
+
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} has no chat_template; the target "
@@ -50,82 +75,162 @@ class ChatTemplateMasker:
                 "need character offsets (return_offsets_mapping), which only fast ones give"
             )
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages],
+            [template_message(m) for m in messages],
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
         )
 
-    def assistant_spans(self, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
         """Return the rendered text and the character span of every assistant turn in it."""
-        full = self.render(messages)
+        full = self.render(messages, tools=tools)
         spans: list[tuple[int, int]] = []
         cursor = 0
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            span = self._span_by_prefix(messages, index, full)
+            try:
+                span = self._span_by_sentinel(messages, index, full, cursor, tools)
+            except (ChatTemplateError, jinja2.TemplateError):
+                span = None
             if span is None:
-                span = self._span_by_search(messages, index, full, cursor)
+                span = self._span_by_prefix(messages, index, full, tools)
+            if span is None or span[0] < cursor:
+                raise ChatTemplateError(
+                    f"assistant message {index} not found in the rendered conversation: "
+                    f"{str(message.get('content'))[:80]!r}"
+                )
             spans.append(span)
             cursor = span[1]
         return full, spans
 
-    def _end_of_turn(self, messages: Sequence[Message], index: int) -> str:
-        """The marker the template writes after this assistant message (``<|im_end|>``, ...)."""
-        upto = self.render(messages[: index + 1])
-        # The turn sits at the end of `upto`; search backwards so a header never matches.
-        _, end = locate_content(upto, messages[index]["content"], len(upto), backwards=True)
-        # Trailing whitespace after the marker (ChatML's "\n") is scaffolding, not model output.
-        return upto[end:].rstrip()
+    def unrendered_tool_calls(
+        self, full: str, messages: Sequence[Message], spans: Sequence[tuple[int, int]]
+    ) -> int:
+        """Assistant turns with tool calls whose function names are not in their span."""
+        turns = [m for m in messages if m["role"] == "assistant"]
+        return sum(
+            1
+            for message, (start, end) in zip(turns, spans, strict=True)
+            if any(
+                call["function"]["name"] not in full[start:end]
+                for call in message.get("tool_calls") or ()
+            )
+        )
 
-    def _span_by_prefix(
-        self, messages: Sequence[Message], index: int, full: str
+    def _span_by_sentinel(
+        self,
+        messages: Sequence[Message],
+        index: int,
+        full: str,
+        cursor: int,
+        tools: Sequence[Mapping[str, Any]] | None,
     ) -> tuple[int, int] | None:
-        """Exact span when rendering is prefix-stable (ChatML, Llama-3, Gemma, Mistral, ...)."""
-        if index == 0:
+        sentinel_turn = {"role": "assistant", "content": SENTINEL}
+        replaced = self.render(
+            [*messages[:index], sentinel_turn, *messages[index + 1 :]], tools=tools
+        )
+        at = replaced.find(SENTINEL)
+        if at == -1:
             return None
-        before = self.render(messages[:index], add_generation_prompt=True)
-        upto = self.render(messages[: index + 1])
-        if not (upto.startswith(before) and full.startswith(upto)):
-            return None
-        try:
-            start, end = locate_content(upto, messages[index]["content"], len(before))
-        except ChatTemplateError:
-            return None
-        end_of_turn = upto[end:].rstrip()
-        return start, end + len(end_of_turn)
-
-    def _span_by_search(
-        self, messages: Sequence[Message], index: int, full: str, cursor: int
-    ) -> tuple[int, int]:
-        """Fallback for templates whose last turn renders differently (e.g. Qwen3's think block).
-
-        Find the assistant header (what the generation prompt adds) after the previous turn,
-        then the content after it, then this turn's end-of-turn marker.
-        """
-        header = ""
-        if index:  # transformers refuses to render an empty conversation
-            previous = self.render(messages[:index])
-            header = self.render(messages[:index], add_generation_prompt=True)[len(previous) :]
-        header_at = full.find(header, cursor) if header else -1
-        search_from = cursor if header_at == -1 else header_at + len(header)
-        start, end = locate_content(full, messages[index]["content"], search_from)
-        end_of_turn = self._end_of_turn(messages, index)
+        after = at + len(SENTINEL)
+        prefix = _common_prefix(full, replaced, limit=at)
+        suffix = _common_suffix(
+            full, replaced, limit=min(len(full) - prefix, len(replaced) - after)
+        )
+        end = len(full) - suffix
+        if prefix == at:  # everything before the sentinel is shared: scaffolding, unmasked
+            start = prefix
+        else:
+            # The turn shares only the start of the sentinel's scaffolding (``<think>\n`` of a
+            # think block holding reasoning): that is the target's text; start at the header.
+            start = self._header_end(messages, index, full, cursor, prefix, tools)
+        # The end-of-turn marker: what the template writes after the sentinel as the last turn.
+        alone = self.render([*messages[:index], sentinel_turn], tools=tools)
+        end_of_turn = alone[alone.rfind(SENTINEL) + len(SENTINEL) :].rstrip()
         if end_of_turn and full.startswith(end_of_turn, end):
             end += len(end_of_turn)
         return start, end
 
-    def encode(self, messages: Sequence[Message], max_tokens: int | None = None) -> MaskedTokens:
+    def _header_end(
+        self,
+        messages: Sequence[Message],
+        index: int,
+        full: str,
+        cursor: int,
+        limit: int,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> int:
+        """End of the last assistant header in ``full[cursor:limit]``; ``limit`` if none."""
+        if index == 0:  # transformers refuses to render an empty conversation
+            return limit
+        previous = self.render(messages[:index], tools=tools)
+        headers = [self.render(messages[:index], add_generation_prompt=True, tools=tools)]
+        headers[0] = headers[0][len(previous) :] if headers[0].startswith(previous) else ""
+        # Without the template switches: Qwen3's header loses the think block enable_thinking
+        # false adds, which turns that render their reasoning do not have.
+        plain = self.tokenizer.apply_chat_template(
+            [template_message(m) for m in messages[:index]],
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        bare = self.tokenizer.apply_chat_template(
+            [template_message(m) for m in messages[:index]],
+            tools=list(tools) if tools else None,
+            tokenize=False,
+        )
+        if plain.startswith(bare):
+            headers.append(plain[len(bare) :])
+        ends = [
+            found + len(header)
+            for header in headers
+            if header and (found := full.rfind(header, cursor, limit)) != -1
+        ]
+        return max(ends, default=limit)
+
+    def _span_by_prefix(
+        self,
+        messages: Sequence[Message],
+        index: int,
+        full: str,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> tuple[int, int] | None:
+        """The turn as the difference of two prefix renderings (prefix-stable templates)."""
+        if index == 0:
+            return None
+        before = self.render(messages[:index], add_generation_prompt=True, tools=tools)
+        upto = self.render(messages[: index + 1], tools=tools)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            return None
+        # Trailing whitespace after the marker (ChatML's "\n") is scaffolding, not model output.
+        return len(before), len(before) + len(upto[len(before) :].rstrip())
+
+    def encode(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> MaskedTokens:
         """Tokenize the rendered conversation; mask the tokens that overlap assistant spans.
 
         With ``max_tokens`` the result is cut to that many tokens (``truncated`` says whether it
         was). Long conversations are then tokenized only as far as needed: a prefix of the text,
         doubled until it yields ``max_tokens`` plus a margin, gives the same first tokens.
         """
-        full, spans = self.assistant_spans(messages)
+        full, spans = self.assistant_spans(messages, tools)
         if max_tokens is not None:
             cut = max_tokens * CUT_CHARS_PER_TOKEN
             while cut < len(full):
@@ -142,7 +247,12 @@ class ChatTemplateMasker:
         truncated = max_tokens is not None and len(input_ids) > max_tokens
         if truncated:
             input_ids, loss_mask = input_ids[:max_tokens], loss_mask[:max_tokens]
-        return MaskedTokens(input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)
+        return MaskedTokens(
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            truncated=truncated,
+            unrendered_tool_calls=self.unrendered_tool_calls(full, messages, spans),
+        )
 
     def _tokenize(self, text: str) -> Any:
         # add_special_tokens=False: the template writes BOS itself, as apply_chat_template does.
@@ -174,18 +284,19 @@ def mask_from_spans(
     return mask
 
 
-def locate_content(
-    text: str, content: str, position: int, backwards: bool = False
-) -> tuple[int, int]:
-    """Character span of a message's content in rendered text, searched from ``position``.
+def _common_prefix(first: str, second: str, limit: int) -> int:
+    """Length of the common prefix of two strings, at most ``limit``."""
+    n = 0
+    limit = min(limit, len(first), len(second))
+    while n < limit and first[n] == second[n]:
+        n += 1
+    return n
 
-    Templates either copy the content verbatim (ChatML) or trim it (Llama-3), so try both.
-    """
-    for candidate in dict.fromkeys((content, content.strip())):
-        start = text.rfind(candidate, 0, position) if backwards else text.find(candidate, position)
-        if start != -1:
-            return start, start + len(candidate)
-    raise ChatTemplateError(
-        f"message content not found in the rendered conversation (the chat template "
-        f"rewrites it): {content[:80]!r}"
-    )
+
+def _common_suffix(first: str, second: str, limit: int) -> int:
+    """Length of the common suffix of two strings, at most ``limit``."""
+    n = 0
+    limit = min(limit, len(first), len(second))
+    while n < limit and first[-1 - n] == second[-1 - n]:
+        n += 1
+    return n

@@ -34,6 +34,11 @@ class TokenizeSettings:
     split_seed: int = 0
     val_fraction: float = 0.05
     test_fraction: float = 0.0
+    # the template's reasoning switch the answers were generated with (None: not passed)
+    enable_thinking: bool | None = None
+
+    def template_kwargs(self) -> dict[str, bool]:
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
     def __post_init__(self) -> None:
         if self.long_samples not in LONG_SAMPLE_POLICIES:
@@ -112,7 +117,7 @@ def tokenize_corpus(
 ) -> dict:
     """Tokenize every conversation; write samples, train token counts and a summary."""
     tokenizer = load_target_tokenizer(target_dir, trust_remote_code)
-    masker = ChatTemplateMasker(tokenizer)
+    masker = ChatTemplateMasker(tokenizer, settings.template_kwargs())
     vocab_size = target_vocab_size(target_dir, tokenizer)
     token_freq = np.zeros(vocab_size, dtype=np.int64)
     counts: Counter[str] = Counter()
@@ -135,11 +140,17 @@ def tokenize_corpus(
                 counts["skipped_no_assistant"] += 1
                 continue
             try:
-                encoded = masker.encode(messages, max_tokens=settings.max_length)
+                encoded = masker.encode(
+                    messages, max_tokens=settings.max_length, tools=record.get("tools")
+                )
             except (ChatTemplateError, jinja2.TemplateError) as error:
                 # Templates may refuse a role order (e.g. two user turns); count, don't crash.
                 counts["skipped_template_error"] += 1
                 log.warning("skipping %s: %s", record["id"], error)
+                continue
+            if encoded.unrendered_tool_calls:
+                # The template drops the calls: the turn's mask would teach an empty answer.
+                counts["skipped_tool_calls_not_rendered"] += 1
                 continue
             if encoded.truncated:
                 if settings.long_samples == "drop":
@@ -151,6 +162,7 @@ def tokenize_corpus(
                 counts["skipped_no_masked_tokens"] += 1
                 continue
             counts["samples"] += 1
+            counts["tool_call_turns"] += sum(1 for m in messages if m.get("tool_calls"))
             counts["tokens"] += len(input_ids)
             counts["masked_tokens"] += sum(loss_mask)
             split = assign_split(
@@ -171,6 +183,12 @@ def tokenize_corpus(
                 flush(writer)
         flush(writer)
 
+    if counts["skipped_tool_calls_not_rendered"]:
+        log.warning(
+            "%d conversations skipped: the target's chat template does not render their tool "
+            "calls (give target.chat_template a template that does)",
+            counts["skipped_tool_calls_not_rendered"],
+        )
     if counts["samples"] == 0:
         raise ValueError(
             f"{corpus_path}: no conversation produced a sample with assistant tokens "
@@ -196,6 +214,8 @@ def tokenize_corpus(
                 "skipped_no_assistant",
                 "skipped_no_masked_tokens",
                 "skipped_template_error",
+                "skipped_tool_calls_not_rendered",
+                "tool_call_turns",
             )
         },
     }

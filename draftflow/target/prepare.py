@@ -37,8 +37,12 @@ def prepare_target(
     path: str | None = None,
     dtype: str = "bfloat16",
     trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
-    """Write the target checkpoint into ``out_dir`` and return its description."""
+    """Write the target checkpoint into ``out_dir`` and return its description.
+
+    ``chat_template``: a Jinja file that replaces the checkpoint's own chat template.
+    """
     out = Path(out_dir)
     staging = out.with_name(out.name + ".partial")
     if staging.exists():
@@ -55,6 +59,8 @@ def prepare_target(
     else:
         raise ValueError(f"target.source must be one of 'gguf', 'hf'; got {source!r}")
 
+    if chat_template:
+        _replace_chat_template(staging, resolve_path(chat_template))
     config = json.loads((staging / "config.json").read_text())
     info = {
         "source": source,
@@ -132,6 +138,22 @@ def _make_tokenizer_config_portable(out: Path, tokenizer: Any) -> None:
     if template and "chat_template" not in config:
         config["chat_template"] = template
     atomic_write_json(config_path, config)
+
+
+def _replace_chat_template(out: Path, template_path: Path) -> None:
+    """Write the template as the checkpoint's own, where transformers and vLLM read it: the
+    ``chat_template.jinja`` file and the tokenizer config's key (linked files are replaced by
+    copies, so the source checkpoint is never edited)."""
+    template = template_path.read_text(encoding="utf-8")
+    jinja = out / "chat_template.jinja"
+    jinja.unlink(missing_ok=True)
+    jinja.write_text(template, encoding="utf-8")
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config["chat_template"] = template
+    config_path.unlink(missing_ok=True)
+    atomic_write_json(config_path, config)
+    log.info("chat template of the target: %s", template_path)
 
 
 def _link_hf_checkpoint(path: str, out: Path, trust_remote_code: bool) -> str:

@@ -1,0 +1,203 @@
+"""Tool calls and reasoning in conversations: their normal form, and reading them out of text.
+
+The normal form is what Hugging Face chat templates expect (transformers' chat-template docs):
+
+- a tool call: ``{"type": "function", "function": {"name": str, "arguments": dict}}``, plus
+  ``"id"`` when the source gave one (arguments are an object, never a JSON string: templates
+  ``tojson`` them, and a string would be quoted twice);
+- a tool (function schema) of a conversation's ``tools`` list:
+  ``{"type": "function", "function": {"name": str, ...}}``;
+- reasoning: an assistant message's ``reasoning_content`` string.
+
+Functions here raise ``ValueError`` with a short reason; ``formats`` turns it into a bad record.
+Parsing generated text never raises: what cannot be read stays plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Tool-call syntaxes a target may write, by template family.
+HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen, Hermes, ChatML)
+LLAMA3_JSON = "llama3_json"  # the whole answer is {"name": ..., "parameters": {...}} (Llama 3.1+)
+TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, "none")
+
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"\A\s*<tool_response>(.*)</tool_response>\s*\Z", re.DOTALL)
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"arguments are not JSON ({error.msg})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"arguments are a {type(raw).__name__}, not an object")
+    return raw
+
+
+def normalise_tool_call(raw: Any) -> dict[str, Any]:
+    """One tool call in normal form, from the OpenAI shape or the flat ``{name, arguments}`` one
+    (ShareGPT ``function_call`` turns, Hermes ``<tool_call>`` blocks; ``parameters`` is Llama's
+    spelling of ``arguments``)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"tool call is not JSON ({error.msg})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"tool call is a {type(raw).__name__}, not an object")
+    function = raw.get("function", raw)
+    if not isinstance(function, dict):
+        raise ValueError(f"tool call 'function' is a {type(function).__name__}, not an object")
+    name = function.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("tool call has no function name")
+    arguments = function.get("arguments", function.get("parameters"))
+    call: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": name, "arguments": _arguments(arguments)},
+    }
+    call_id = raw.get("id")
+    if call_id is not None:
+        if not isinstance(call_id, str | int) or isinstance(call_id, bool):
+            raise ValueError(f"tool call id is a {type(call_id).__name__}")
+        call["id"] = str(call_id)
+    return call
+
+
+def normalise_tool_calls(raw: Any) -> list[dict[str, Any]]:
+    """A list of tool calls (a single object is one call; a JSON string is parsed first)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"tool calls are not JSON ({error.msg})") from None
+    calls = raw if isinstance(raw, list) else [raw]
+    if not calls:
+        raise ValueError("empty list of tool calls")
+    return [normalise_tool_call(call) for call in calls]
+
+
+def normalise_tools(raw: Any) -> list[dict[str, Any]]:
+    """A conversation's function schemas (a JSON string of a list, as LLaMA-Factory writes it,
+    or a list; flat ``{name, description, parameters}`` entries are wrapped)."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            return []
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"tools are not JSON ({error.msg})") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"tools are a {type(raw).__name__}, not a list")
+    tools = []
+    for number, tool in enumerate(raw):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tools[{number}] is a {type(tool).__name__}, not an object")
+        function = tool.get("function", tool)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools[{number}] has no function name")
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def split_reasoning(text: str, generated: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, answer) of a text that opens with a ``<think>...</think>`` block.
+
+    ``generated``: the text is the target's output, whose opening tag may be missing (some
+    templates write ``<think>`` into the generation prompt, so the answer starts inside it).
+    """
+    if "</think>" not in text:
+        return None, text
+    head, answer = text.split("</think>", 1)
+    stripped = head.lstrip()
+    if not stripped.startswith("<think>") and ("<think>" in head or not generated):
+        return None, text  # a think tag inside an answer is the answer's own text
+    reasoning = stripped.removeprefix("<think>")
+    return reasoning.strip("\n"), answer.lstrip("\n")
+
+
+def strip_tool_response(text: str) -> str:
+    """A tool result without Hermes' ``<tool_response>`` wrapper (templates add their own)."""
+    match = _TOOL_RESPONSE.match(text)
+    return match.group(1).strip("\n") if match else text
+
+
+@dataclass
+class ParsedAnswer:
+    """An answer read as the target wrote it: text, tool calls, and reasoning."""
+
+    content: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str | None = None
+    # True when the text looked like a tool call but could not be read as one (kept as text)
+    unparsed: bool = False
+
+
+def detect_parser(chat_template: str) -> str:
+    """The tool-call syntax a chat template teaches its model, or "none"."""
+    if "<tool_call>" in chat_template:
+        return HERMES
+    if '"parameters": ' in chat_template and "<|eot_id|>" in chat_template:
+        return LLAMA3_JSON
+    return "none"
+
+
+def parse_tool_calls(text: str, parser: str) -> ParsedAnswer:
+    """Tool calls out of generated text in the given syntax; text that is not one stays text."""
+    if parser == HERMES:
+        return _parse_hermes(text)
+    if parser == LLAMA3_JSON:
+        return _parse_llama3_json(text)
+    if parser == "none":
+        return ParsedAnswer(content=text)
+    raise ValueError(f"unknown tool-call parser {parser!r}; allowed: {TOOL_CALL_PARSERS}")
+
+
+def _parse_hermes(text: str) -> ParsedAnswer:
+    if "<tool_call>" not in text:
+        return ParsedAnswer(content=text)
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        try:
+            calls.append(normalise_tool_call(block.strip()))
+        except ValueError:
+            return ParsedAnswer(content=text, unparsed=True)
+    remainder = _HERMES_BLOCK.sub("", text)
+    if "<tool_call>" in remainder or not calls:  # an unclosed block: cut off by max_tokens
+        return ParsedAnswer(content=text, unparsed=True)
+    return ParsedAnswer(content=remainder.strip(), tool_calls=calls)
+
+
+def _parse_llama3_json(text: str) -> ParsedAnswer:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return ParsedAnswer(content=text)
+    try:
+        call = normalise_tool_call(body)
+    except ValueError:
+        return ParsedAnswer(content=text, unparsed=True)
+    return ParsedAnswer(content="", tool_calls=[call])
+
+
+def same_calls(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> bool:
+    """Same functions with the same arguments, in the same order (ids do not matter)."""
+    return [c["function"] for c in first] == [c["function"] for c in second]
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The message as templates read it: only the fields it has (Llama 3.1 tests
+    ``'tool_calls' in message``), content always a string."""
+    out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+    for key in ("tool_calls", "reasoning_content", "tool_call_id", "name"):
+        if message.get(key):
+            out[key] = message[key]
+    return out

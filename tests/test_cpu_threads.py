@@ -62,3 +62,30 @@ def test_engine_kwargs_take_one_kv_cache_rule():
     )
     with pytest.raises(ValueError, match="kv_cache_memory_bytes or gpu_memory_utilization"):
         engine_kwargs("m", max_model_len=64)
+
+
+def test_tensor_parallel_ranks_get_their_own_cores():
+    from draftflow.workflow.cpu_threads import rank_core_lists
+
+    # 2 cores, tp 2: one core per rank (vLLM's NUMA-based binding refuses this machine).
+    assert rank_core_lists(2, 0, cores=[0, 1]) == [[0], [1]]
+    assert rank_core_lists(2, 1, cores=[0, 1]) == [[0], [1]]  # never fewer cores than ranks
+    assert rank_core_lists(2, 2, cores=list(range(8))) == [[0, 1, 2], [3, 4, 5]]
+    assert rank_core_lists(4, None, cores=[4, 5, 6, 7, 8, 9, 10, 11]) == [
+        [4, 5],
+        [6, 7],
+        [8, 9],
+        [10, 11],
+    ]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .* needs at least"):
+        rank_core_lists(3, 0, cores=[0, 1])
+
+
+def test_engine_env_binds_tensor_parallel_ranks(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    env = engine_env(reserved_cpus=0, tensor_parallel_size=2, cpu=True)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own binding wins
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(tensor_parallel_size=2, cpu=True)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(tensor_parallel_size=2, cpu=False)

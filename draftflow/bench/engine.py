@@ -14,7 +14,6 @@ one entry per (timed run, prompt set) under ``runs``.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -176,14 +175,17 @@ def _run_stats(responses: dict[str, list[dict[str, Any]]], elapsed: float) -> di
 
 def run_configuration(request: dict[str, Any]) -> dict[str, Any]:
     """Start one engine, warm it up, and time ``repeats`` passes over every prompt set."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from draftflow.engine import start_engine
 
     prompt_sets: dict[str, list[dict[str, Any]]] = request["prompt_sets"]
     empty = [name for name, prompts in prompt_sets.items() if not prompts]
     if not prompt_sets or empty:
         raise ValueError(f"empty prompt set(s): {empty or 'none given'}")
     sampling = request["sampling"]
-    llm = LLM(**copy.deepcopy(request["engine"]))  # vLLM fills in the dicts it is given
+    # The driver set the engine's environment when it started this process.
+    llm = start_engine(request["engine"], {})
     # Warm-up: the first request pays for lazy initialisation; it's outside every timed run.
     first = next(iter(prompt_sets.values()))[0]
     warmup = SamplingParams(temperature=0.0, max_tokens=int(request.get("warmup_tokens", 16)))

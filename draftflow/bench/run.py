@@ -37,7 +37,8 @@ def run_engine_process(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     # On the CPU build: the same reserved scheduler cores and matching thread counts for every
     # engine, so runs compare (and the worker's core isn't oversubscribed); spawn on GPUs.
-    env.update(engine_env(reserved_cpus=reserved_cpus))
+    tensor_parallel_size = int(request["engine"].get("tensor_parallel_size", 1))
+    env.update(engine_env(reserved_cpus=reserved_cpus, tensor_parallel_size=tensor_parallel_size))
     command = [sys.executable, "-m", "draftflow.bench.engine", str(request_path), str(result_path)]
     log.info("starting engine %s", name)
     sys.stderr.flush()

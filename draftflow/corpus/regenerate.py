@@ -128,7 +128,8 @@ def make_engine(
         seed=seed,
         trust_remote_code=trust_remote_code,
     )
-    return start_engine(kwargs, engine_env(reserved_cpus=reserved_cpus))
+    env = engine_env(reserved_cpus=reserved_cpus, tensor_parallel_size=tensor_parallel_size)
+    return start_engine(kwargs, env)
 
 
 def engine_max_model_len(llm: Any) -> int:

@@ -120,6 +120,7 @@ class HooksBackend:
             reserved_cpus=settings.reserved_cpus,
             model_runner=settings.model_runner,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            tensor_parallel_size=settings.tp_size,
         )
         self.llm = start_engine(
             {"worker_extension_cls": EXTENSION, **capture_engine_kwargs(model_dir, settings)}, env

@@ -85,6 +85,7 @@ class NativeBackend:
             reserved_cpus=settings.reserved_cpus,
             model_runner=runner,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            tensor_parallel_size=settings.tp_size,
         )
         self.llm = start_engine(kwargs, env)
         self.last_stats: dict = {}

@@ -1,0 +1,42 @@
+"""draftflow.engine: a target vLLM cannot load fails with the engine process's own error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+
+@pytest.fixture(scope="module")
+def broken_target(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """The demo target without its final norm's weight: vLLM's loader refuses it."""
+    out = tmp_path_factory.mktemp("broken-target")
+    for path in smollm2_dir.iterdir():
+        if path.suffix != ".safetensors":
+            (out / path.name).symlink_to(path.resolve())
+    weights = {}
+    for path in sorted(smollm2_dir.glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    del weights["model.norm.weight"]
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.vllm
+def test_failed_start_names_the_engines_own_error(broken_target: Path):
+    from draftflow.corpus.regenerate import make_engine
+    from draftflow.engine import EngineStartError
+
+    with pytest.raises(EngineStartError) as raised:
+        make_engine(
+            broken_target,
+            max_model_len=64,
+            gpu_memory_utilization=0.1,
+            kv_cache_memory_bytes=1 << 24,
+        )
+    message = str(raised.value)
+    print(message)
+    assert str(broken_target) in message
+    assert "model.norm.weight" in message or "norm" in message, message
+    assert "Engine core initialization failed" not in message.split("(the engine's log")[0]

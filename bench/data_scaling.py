@@ -284,7 +284,7 @@ def train(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
     from draftflow.train.cli import launch
-    from draftflow.train.loop import TrainJob
+    from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 

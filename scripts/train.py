@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from draftflow.train.cli import launch
-from draftflow.train.loop import TrainJob
+from draftflow.train.job import TrainJob
 from draftflow.train.settings import TrainSettings
 from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging

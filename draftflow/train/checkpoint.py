@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from draftflow.io import atomic_write_json, read_json
+from draftflow.train.distributed import Placement
+from draftflow.train.job import TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +158,27 @@ def load_checkpoint(
         optimizer.load_state_dict(unflatten_optimizer(index, tensors, state["optimizers"][index]))
     restore_rng(tensors)
     return state
+
+
+def shard_digest(shard_dir: str) -> str:
+    """The sha256 of a shard's index: changes whenever its samples do."""
+    return read_json(Path(shard_dir) / "manifest.json")["files"]["index.json"]
+
+
+def resume(job: TrainJob, model, optimizers, identity: dict, placement: Placement) -> int:
+    """Load the newest checkpoint written under the same settings and data; return its step."""
+    path = latest_checkpoint(job.checkpoint_dir)
+    if path is None:
+        return 0
+    state = read_json(path / "state.json")
+    mismatched = [k for k in identity if state.get(k) != identity[k]]
+    if mismatched:
+        if placement.is_main:
+            log.warning("discarding checkpoints in %s: %s changed", job.checkpoint_dir, mismatched)
+            shutil.rmtree(job.checkpoint_dir)
+        if placement.world_size > 1:
+            dist.barrier()
+        return 0
+    load_checkpoint(path, model, optimizers)
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])

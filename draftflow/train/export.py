@@ -14,14 +14,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from draftflow.io import atomic_write_json, atomic_write_text
-
-if TYPE_CHECKING:
-    from draftflow.train.loop import TrainJob
+from draftflow.train.job import TrainJob
 
 log = logging.getLogger(__name__)
 

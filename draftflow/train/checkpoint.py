@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from draftflow.io import atomic_write_json, read_json
+from draftflow.io import atomic_write_json, read_json, staged_dir
 from draftflow.train.distributed import Placement
 from draftflow.train.job import TrainJob
 
@@ -100,8 +99,7 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
+    with staged_dir(final) as tmp:
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in model_state.items()},
             str(tmp / "model.safetensors"),
@@ -114,12 +112,6 @@ def save_checkpoint(
             opt_meta.append(meta)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         atomic_write_json(tmp / "state.json", {**state, "step": step, "optimizers": opt_meta})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     atomic_write_json(root / LATEST, {"step": step, "dir": final.name})
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old)

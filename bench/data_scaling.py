@@ -1,4 +1,4 @@
-"""How the demo draft's accuracy grows with its training data (issue 5), measured on a GPU.
+"""How the demo draft's accuracy grows with its training data, measured on a GPU.
 
 The demo trains on what a 2-core CPU can regenerate, extract and train on in 25 minutes (~130k
 tokens). This study asks what more data would buy: the same target (SmolLM2-135M-Instruct from
@@ -10,7 +10,7 @@ fixed val split.
 
 Every stage runs the project's own code (ingest, tokenize, split, shard, the ``hf`` capture
 backend through ``run_extract``, the vocab stage, the train rule's ``launch``) except
-regeneration, which uses ``transformers`` ``generate`` because the lent GPU machine has no vLLM.
+regeneration, which uses ``transformers`` ``generate`` (the GPU side needs no vLLM install).
 
 Subcommands::
 
@@ -284,7 +284,7 @@ def train(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
     from draftflow.train.cli import launch
-    from draftflow.train.loop import TrainJob
+    from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 

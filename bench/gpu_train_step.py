@@ -126,7 +126,7 @@ def flop_count(model, ttt_steps: int, sample_length: int) -> dict:
 
 
 def make_job(root: Path, args: argparse.Namespace, tag: str = "run"):
-    from draftflow.train.loop import TrainJob
+    from draftflow.train.job import TrainJob
     from draftflow.train.settings import TrainSettings
 
     settings = TrainSettings(

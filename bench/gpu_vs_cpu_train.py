@@ -1,6 +1,6 @@
 """The demo's draft trained on a GPU and on the CPU from the same CPU-extracted shards.
 
-Issue 7, item 4: does training on the GPU (bf16 autocast, flex attention, padded batches) reach
+Does training on the GPU (bf16 autocast, flex attention, padded batches) reach
 the val accuracy of the CPU (fp32, SDPA)? Both runs use the train rule's code path
 (``draftflow.train.cli.launch`` with a ``TrainJob`` built as ``scripts/train.py`` builds it from
 config/config.yaml's ``train:`` section); only ``device`` and ``threads`` differ, plus an
@@ -174,7 +174,7 @@ def train(args: argparse.Namespace) -> None:
     import yaml
 
     from draftflow.train.cli import launch
-    from draftflow.train.loop import TrainJob
+    from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from draftflow.train.cli import launch
-    from draftflow.train.loop import TrainJob
+    from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 

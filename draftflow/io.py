@@ -1,4 +1,4 @@
-"""Atomic file writes and checksums shared by every stage."""
+"""Atomic file and directory writes and checksums shared by every stage."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,36 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def publish_dir(work: str | os.PathLike[str], final: str | os.PathLike[str]) -> Path:
+    """Move the finished directory ``work`` to ``final``, replacing whatever was there.
+
+    ``work`` sits beside ``final`` (same file system), so the rename is atomic: readers see the
+    old directory or the new one, never one half written.
+    """
+    final = Path(final)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(work, final)
+    return final
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a hidden temporary directory beside ``final``; publish it there only on success.
+
+    On an error the temporary directory is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        publish_dir(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

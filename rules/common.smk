@@ -14,10 +14,6 @@ SPLITS_EXTRACTED = ["train", "val"]
 
 
 # ---------------------------------------------------------------- target
-def target_dir():
-    return str(RESOURCES / "target")
-
-
 def target_info():
     """The prepared target's description, written last: depend on it to depend on the target."""
     return str(RESOURCES / "target" / "draftflow_target.json")
@@ -209,16 +205,11 @@ def get_final_output():
 # ---- workflow engineering
 from draftflow.workflow.digest import code_digest, script_modules
 
-# Modules a stage runs that its script does not name in an import or a dotted string.
-# Everything the script imports is found by reading the script (see stage_modules).
-STAGE_EXTRA_MODULES = {}
-
 
 def stage_modules(stage):
-    """Entry modules of a stage: the draftflow modules scripts/<stage>.py imports, plus extras."""
+    """Entry modules of a stage: the draftflow modules scripts/<stage>.py imports (read, not run)."""
     script = Path(workflow.basedir) / "scripts" / f"{stage}.py"
-    extras = STAGE_EXTRA_MODULES.get(stage, [])
-    return script_modules(script, root=Path(workflow.basedir)) + extras
+    return script_modules(script, root=Path(workflow.basedir))
 
 
 def stage_code(stage):

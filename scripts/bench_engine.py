@@ -4,18 +4,16 @@ k speculative tokens) over every prompt set; its raw result as JSON.
 The engine runs in a child process (draftflow.bench.engine), so no vLLM engine starts in this one.
 """
 
-from pathlib import Path
-
 from draftflow.bench.prompts import read_prompts
 from draftflow.bench.run import engine_request, request_settings, run_engine
 from draftflow.workflow.gpu import gpu_lease
-from draftflow.workflow.script import setup_logging
+from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
 settings = snakemake.params.bench
 k = int(snakemake.wildcards.k)
 request = engine_request(
-    target=str(Path(snakemake.input.target).parent),
+    target=str(target_dir(snakemake)),
     draft=snakemake.input.draft,
     k=k,
     prompt_sets={

@@ -4,11 +4,10 @@
 if __name__ == "__main__":
     import os
     import sys
-    from pathlib import Path
 
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.workflow.gpu import gpu_lease
-    from draftflow.workflow.script import setup_logging
+    from draftflow.workflow.script import setup_logging, target_dir
 
     log = setup_logging(snakemake)
     if snakemake.log:
@@ -24,7 +23,7 @@ if __name__ == "__main__":
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
         manifest = run_extract(
             snakemake.input.shard,
-            Path(snakemake.input.target).parent,
+            target_dir(snakemake),
             snakemake.output[0],
             settings,
         )

@@ -1,7 +1,5 @@
 """Rule regenerate: re-answer the ingested conversations with the target (vLLM)."""
 
-from pathlib import Path
-
 from draftflow.corpus.regenerate import (
     RegenerateSettings,
     fingerprint,
@@ -10,11 +8,11 @@ from draftflow.corpus.regenerate import (
     regenerate,
 )
 from draftflow.workflow.gpu import gpu_lease
-from draftflow.workflow.script import setup_logging
+from draftflow.workflow.script import setup_logging, target_dir
 
 if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     log = setup_logging(snakemake)
-    model_dir = Path(snakemake.input.target).parent  # the prepared target's directory
+    model_dir = target_dir(snakemake)
     section = snakemake.params.settings
     settings = RegenerateSettings.from_config(section)
     max_model_len = int(section.get("max_model_len", 2048))

@@ -1,16 +1,14 @@
 """Rule report: summary table, markdown summary and figures."""
 
-from pathlib import Path
-
 from draftflow.report.build import ReportPaths, build_report
-from draftflow.workflow.script import setup_logging
+from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
 out = snakemake.output
 summary = build_report(
     bench_csvs=snakemake.input.bench,
     train_metrics=snakemake.input.train_metrics,
-    target_dir=Path(snakemake.input.target).parent,
+    target_dir=target_dir(snakemake),
     draft_dir=snakemake.input.draft,
     extract_dirs=snakemake.input.extract,
     out=ReportPaths(

@@ -1,10 +1,9 @@
 """Rule tokenize: conversations -> token samples with loss masks (draftflow.data.tokenize)."""
 
-from draftflow.workflow.script import setup_logging
+from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
 
-from pathlib import Path  # noqa: E402
 
 from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus  # noqa: E402
 
@@ -21,7 +20,7 @@ settings = TokenizeSettings(
 tokenize_corpus(
     corpus_path=snakemake.input.corpus,
     # The prepared target's description file lies inside its checkpoint directory.
-    target_dir=Path(snakemake.input.target).parent,
+    target_dir=target_dir(snakemake),
     samples_path=snakemake.output.samples,
     token_freq_path=snakemake.output.token_freq,
     summary_path=snakemake.output.summary,

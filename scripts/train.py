@@ -4,13 +4,12 @@ With ``resources: gpu`` > 1 the job re-launches itself as torchrun workers (data
 """
 
 import dataclasses
-import os
 
 from draftflow.train.cli import launch
-from draftflow.train.loop import TrainJob
+from draftflow.train.job import TrainJob
 from draftflow.train.settings import TrainSettings
 from draftflow.workflow.gpu import gpu_lease
-from draftflow.workflow.script import setup_logging
+from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
 settings = TrainSettings.from_config(snakemake.params.train)
@@ -18,7 +17,7 @@ if settings.threads == 0:
     settings = dataclasses.replace(settings, threads=snakemake.threads)
 job = TrainJob(
     # The prepared target's info file sits in (and is written last into) the target directory.
-    target_dir=os.path.dirname(snakemake.input.target),
+    target_dir=str(target_dir(snakemake)),
     vocab_path=snakemake.input.vocab,
     train_shards=list(snakemake.input.train),
     val_shards=list(snakemake.input.val),

@@ -10,7 +10,13 @@ import pandas as pd
 import pytest
 
 from draftflow.bench.tables import CSV_COLUMNS
-from draftflow.report.build import ReportPaths, build_report, data_size, describe_draft
+from draftflow.report.build import (
+    ReportPaths,
+    build_report,
+    data_size,
+    describe_draft,
+    target_name,
+)
 from draftflow.report.summary import best_k, step_cost, summarise, where_the_time_goes
 from draftflow.report.train_log import final_accuracy, last_step, read_train_log
 
@@ -246,6 +252,7 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
     assert len(summary) == 5
     markdown = Path(paths.markdown).read_text()
     assert "LlamaForCausalLM (30 layers, hidden 576, vocab 49152), from `SmolLM2.gguf`" in markdown
+    assert "- Target: SmolLM2: LlamaForCausalLM" in markdown
     assert "eagle3, 1 layer(s), draft vocab 8192, aux layers [2, 15, 27]" in markdown
     assert "train 40 samples / 12000 tokens, val 2 samples / 500 tokens" in markdown
     assert "Training steps: 30" in markdown
@@ -280,6 +287,13 @@ def test_build_report_tolerates_missing_training_records(tmp_path, bench_csv, ru
     assert "Training steps: unknown" in markdown
     assert "Draft: unknown (no config.json)" in markdown
     assert Path(paths.train_loss).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_target_is_named_by_its_model():
+    assert target_name("gguf:/m/SmolLM2-135M-Instruct-Q8_0.gguf") == "SmolLM2-135M-Instruct-Q8_0"
+    assert target_name("hf:/cache/models--x/snapshots/Qwen3-8B") == "Qwen3-8B"
+    assert target_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    assert target_name("") == ""
 
 
 def test_data_size_and_draft_description(run_dirs):

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from draftflow.capture.store import ShardWriter
 from draftflow.train.checkpoint import latest_checkpoint
-from draftflow.train.loop import TrainJob, train
+from draftflow.train.job import TrainJob
+from draftflow.train.loop import train
 from draftflow.train.metrics import read_metrics
 from draftflow.train.settings import TrainSettings
 from draftflow.train.vocab import write_vocab

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from draftflow.capture.layers import capture_layers
 from draftflow.capture.store import ShardWriter, update_manifest
 from draftflow.capture.verify import CaptureVerificationError, verify_shard
 from draftflow.data.samples import read_samples
-from draftflow.io import read_json, sha256_file
+from draftflow.io import publish_dir, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +202,7 @@ def run_extract(
             f"({'; '.join(results['failures'])}); the store is kept in {work} for inspection. "
             "Thresholds: extract.verify.min_mean_cosine / min_p01_cosine"
         )
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(work, out_dir)
+    publish_dir(work, out_dir)
     return manifest
 
 

@@ -53,7 +53,20 @@ def describe_target(target_dir: str | Path) -> str:
         f"{config.get('num_hidden_layers', '?')} layers, hidden {config.get('hidden_size', '?')}, "
         f"vocab {config.get('vocab_size', '?')}"
     )
-    return f"{arch} ({shape})" + (f", from `{origin}`" if origin else "")
+    described = f"{arch} ({shape})" + (f", from `{origin}`" if origin else "")
+    name = target_name(info.get("origin") or config.get("_name_or_path") or "")
+    return f"{name}: {described}" if name else described
+
+
+def target_name(origin: str) -> str:
+    """The model's name from where the target came from: a GGUF file's stem, a checkpoint's
+    folder or hub id (``gguf:/m/SmolLM2-135M-Instruct-Q8_0.gguf`` -> ``SmolLM2-135M-Instruct-Q8_0``)."""
+    kind, _, rest = origin.partition(":")
+    path = rest if kind in ("gguf", "hf") and rest else origin
+    path = path.rstrip("/")
+    if not path:
+        return ""
+    return Path(path).stem if path.endswith(".gguf") else Path(path).name
 
 
 def describe_draft(draft_dir: str | Path) -> str:

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from draftflow.io import atomic_write_json, sha256_file
+from draftflow.io import atomic_write_json, publish_dir, sha256_file
 from draftflow.resources import resolve_path
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,7 @@ def prepare_target(
         "revision": checkpoint_revision(staging),
     }
     atomic_write_json(staging / TARGET_INFO, info)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staging, out)
+    publish_dir(staging, out)
     log.info("target ready in %s: %s", out, info)
     return info
 

@@ -16,14 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from draftflow.io import atomic_write_json, read_json
+from draftflow.io import atomic_write_json, read_json, staged_dir
+from draftflow.train.distributed import Placement
+from draftflow.train.job import TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,7 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
+    with staged_dir(final) as tmp:
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in model_state.items()},
             str(tmp / "model.safetensors"),
@@ -111,12 +112,6 @@ def save_checkpoint(
             opt_meta.append(meta)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         atomic_write_json(tmp / "state.json", {**state, "step": step, "optimizers": opt_meta})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     atomic_write_json(root / LATEST, {"step": step, "dir": final.name})
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old)
@@ -155,3 +150,27 @@ def load_checkpoint(
         optimizer.load_state_dict(unflatten_optimizer(index, tensors, state["optimizers"][index]))
     restore_rng(tensors)
     return state
+
+
+def shard_digest(shard_dir: str) -> str:
+    """The sha256 of a shard's index: changes whenever its samples do."""
+    return read_json(Path(shard_dir) / "manifest.json")["files"]["index.json"]
+
+
+def resume(job: TrainJob, model, optimizers, identity: dict, placement: Placement) -> int:
+    """Load the newest checkpoint written under the same settings and data; return its step."""
+    path = latest_checkpoint(job.checkpoint_dir)
+    if path is None:
+        return 0
+    state = read_json(path / "state.json")
+    mismatched = [k for k in identity if state.get(k) != identity[k]]
+    if mismatched:
+        if placement.is_main:
+            log.warning("discarding checkpoints in %s: %s changed", job.checkpoint_dir, mismatched)
+            shutil.rmtree(job.checkpoint_dir)
+        if placement.world_size > 1:
+            dist.barrier()
+        return 0
+    load_checkpoint(path, model, optimizers)
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])

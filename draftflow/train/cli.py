@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from draftflow.io import atomic_write_text
-from draftflow.train.loop import TrainJob, train
+from draftflow.train.job import TrainJob
+from draftflow.train.loop import train
 from draftflow.workflow.cpu_threads import available_cores
 
 log = logging.getLogger(__name__)

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from draftflow.io import atomic_write_json, atomic_write_text
-
-if TYPE_CHECKING:
-    from draftflow.train.loop import TrainJob
+from draftflow.io import atomic_write_json, atomic_write_text, staged_dir
+from draftflow.train.job import TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +68,12 @@ LLM(model="{job.target_dir}",
 
 def export_draft(model: torch.nn.Module, job: TrainJob, summary: dict) -> Path:
     final = Path(job.draft_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with staged_dir(final) as tmp:
         save_speculators_checkpoint(model, tmp)
         atomic_write_text(tmp / "README.md", model_card(job, summary))
         atomic_write_json(
             tmp / "draftflow_train.json",
             {**summary, "settings": job.settings.to_dict(), "target": job.target_dir},
         )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     log.info("exported the draft to %s", final)
     return final

@@ -1,4 +1,4 @@
-"""Named training metrics from speculators' counted ones, and the metrics.jsonl log.
+"""Named training metrics from speculators' counted ones, their collection, and metrics.jsonl.
 
 speculators' ``Eagle3DraftModel.forward`` returns, per TTT step k, sums and totals:
 ``loss_{k}``, ``full_acc_{k}`` (share of masked positions whose draft tokens 0..k all match
@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from draftflow.train.distributed import Placement
+from draftflow.train.settings import TrainSettings
 
 StepMetrics = dict[str, Any]
 
@@ -59,3 +66,105 @@ class MetricsLog:
 
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def counted_keys(ttt_steps: int) -> list[str]:
+    """Every counted metric speculators' forward returns (a rank without val batches sends zeros)."""
+    names = ["loss"] + [
+        f"{m}_{k}" for k in range(ttt_steps) for m in ("loss", "full_acc", "cond_acc")
+    ]
+    return [f"{name}_{part}" for name in names for part in ("sum", "total")]
+
+
+def flush_interval(settings: TrainSettings, placement: Placement) -> int:
+    """Steps between reads of the train metrics (see :class:`PendingSteps`)."""
+    return settings.log_every if placement.device.type == "cuda" else 1
+
+
+class PendingSteps:
+    """Train steps whose metrics still sit on the device, turned into records at a flush.
+
+    Reading a metric to the host waits for the GPU to finish the step. Doing that every step
+    kept the CPU from queueing the next step's kernels while the GPU worked; on GPUs the loop
+    flushes every ``log_every`` steps instead (one host sync and one all-reduce for all of
+    them), on the CPU every step (nothing runs ahead there). Step times come from CUDA events
+    recorded after each step (read at the flush, no wait), on the CPU from the wall clock.
+    """
+
+    def __init__(self, placement: Placement, ttt_steps: int) -> None:
+        self.placement = placement
+        self.ttt_steps = ttt_steps
+        self.keys: list[str] | None = None
+        self.counted: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
+        self.steps: list[tuple[int, int, float]] = []
+        self.ends: list = []
+        self.restart()
+
+    def _now(self):
+        if self.placement.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def restart(self) -> None:
+        """Time the next step from now (after validation or a checkpoint, which are not steps)."""
+        self.start = self._now()
+
+    def add(
+        self,
+        step: int,
+        epoch: int,
+        lr: float,
+        metrics: dict[str, torch.Tensor],
+        grad_norm: torch.Tensor,
+    ) -> None:
+        keys = sorted(metrics)
+        if self.keys is None:
+            self.keys = keys
+        elif keys != self.keys:
+            raise RuntimeError(f"step {step} returned metrics {keys}, earlier steps {self.keys}")
+        self.counted.append(torch.stack([metrics[k].detach().float().reshape(()) for k in keys]))
+        self.grad_norms.append(grad_norm.detach().float().reshape(()))
+        self.steps.append((step, epoch, lr))
+        self.ends.append(self._now())
+
+    def _seconds(self) -> list[float]:
+        seconds, previous = [], self.start
+        for end in self.ends:
+            if isinstance(end, float):
+                seconds.append(end - previous)
+            else:
+                end.synchronize()
+                seconds.append(previous.elapsed_time(end) / 1000)
+            previous = end
+        self.start = previous
+        return seconds
+
+    def flush(self) -> list[StepMetrics]:
+        """Records of the pending steps (the next step is timed from the last one's end)."""
+        if not self.steps:
+            return []
+        assert self.keys is not None
+        counted = torch.stack(self.counted)
+        if self.placement.world_size > 1:
+            dist.all_reduce(counted)
+        # One transfer (one wait for the device) for everything.
+        values = torch.cat([counted.flatten(), torch.stack(self.grad_norms)]).tolist()
+        width = len(self.keys)
+        records = []
+        timed = zip(self.steps, self._seconds(), strict=True)
+        for n, ((step, epoch, lr), seconds) in enumerate(timed):
+            row = dict(zip(self.keys, values[n * width : (n + 1) * width], strict=True))
+            record: StepMetrics = summarize("train", step, row, self.ttt_steps)
+            record.update(
+                epoch=epoch,
+                lr=lr,
+                grad_norm=values[len(self.steps) * width + n],
+                tokens=int(row["tokens_sum"]),
+                tokens_per_s=row["tokens_sum"] / seconds,
+            )
+            records.append(record)
+        self.counted, self.grad_norms, self.steps, self.ends = [], [], [], []
+        return records

@@ -1,9 +1,10 @@
-"""Common start of every rule script: log to the rule's log file."""
+"""Common start of every rule script: log to the rule's log file, find the prepared target."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -22,3 +23,9 @@ def setup_logging(snakemake: Any) -> logging.Logger:
         force=True,
     )
     return logging.getLogger(f"draftflow.{snakemake.rule}")
+
+
+def target_dir(snakemake: Any) -> Path:
+    """The prepared target's directory: rules depend on its description file (``input.target``,
+    written last), which sits at the directory's top."""
+    return Path(snakemake.input.target).parent

@@ -1,0 +1,34 @@
+"""One training run's inputs and outputs, as the train script hands them to every worker."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from draftflow.io import read_json
+from draftflow.train.settings import TrainSettings
+
+
+@dataclass
+class TrainJob:
+    """Everything one training run reads and writes (JSON-able: torchrun workers get it as a file)."""
+
+    target_dir: str
+    vocab_path: str
+    train_shards: list[str]
+    val_shards: list[str]
+    draft_dir: str
+    metrics_path: str
+    checkpoint_dir: str
+    settings: TrainSettings = field(default_factory=TrainSettings)
+    trust_remote_code: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "settings": self.settings.to_dict()}, indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> TrainJob:
+        data = read_json(path)
+        data["settings"] = TrainSettings.from_config(data["settings"])
+        return cls(**data)

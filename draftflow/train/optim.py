@@ -1,0 +1,57 @@
+"""The optimizers and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from draftflow.train.settings import TrainSettings
+
+
+def lr_factor(step: int, settings: TrainSettings, total_steps: int) -> float:
+    """Linear warm-up, then cosine or linear decay to zero (or constant)."""
+    if step < settings.warmup_steps:
+        return (step + 1) / settings.warmup_steps
+    if settings.scheduler == "none":
+        return 1.0
+    progress = (step - settings.warmup_steps) / max(1, total_steps - settings.warmup_steps)
+    progress = min(1.0, progress)
+    if settings.scheduler == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizers(
+    model: torch.nn.Module, settings: TrainSettings, device: torch.device | None = None
+) -> list:
+    """speculators' optimizer choice (AdamW, or Muon for matrices + AdamW for the rest).
+
+    On GPUs AdamW is the same optimizer with ``fused=True``: one kernel over all parameters
+    instead of the foreach path's dozen passes over 1.2 GB of fp32 state for an 8B-shaped draft.
+    The CPU keeps speculators' default implementation (bit-identical to earlier runs).
+    """
+    from speculators.train.optimizers import build_optimizers as speculators_optimizers
+
+    if settings.optimizer == "adamw" and device is not None and device.type == "cuda":
+        return [
+            torch.optim.AdamW(
+                model.named_parameters(),
+                lr=settings.lr,
+                weight_decay=settings.weight_decay,
+                fused=True,
+            )
+        ]
+
+    options = SimpleNamespace(
+        optimizer=settings.optimizer,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        muon_lr=settings.lr,
+        muon_momentum=0.95,
+        muon_weight_decay=settings.weight_decay,
+        muon_ns_steps=5,
+        muon_adjust_lr_fn="match_rms_adamw",
+    )
+    return speculators_optimizers(model, options)

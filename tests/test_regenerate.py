@@ -232,6 +232,10 @@ def test_regenerate_rule_runs_in_snakemake(
     workdir = tmp_path / "work"
     # The prepared target, hard-linked (cheap, and the cache is safe if Snakemake replaces it).
     shutil.copytree(smollm2_dir, workdir / "resources" / "target", copy_function=os.link)
+    # Newer than the checkout's code: a cache from an older checkout would look out of date
+    # to Snakemake's code trigger (no metadata here) and prepare_target would rerun.
+    for path in (workdir / "resources" / "target").iterdir():
+        os.utime(path)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())

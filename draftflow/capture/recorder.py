@@ -8,22 +8,25 @@ Used inside a vLLM worker by ``draftflow.capture.worker_extension``. Per forward
 2. the hooks write each captured layer straight into the slot (``keep``, ``keep_positions``);
 3. ``end(layout)`` queues the slot: on a GPU the staging buffer is copied into page-locked host
    memory on a side stream, ordered after the forward by a CUDA event, so the forward never
-   waits for the copy; a filing thread then copies each request's rows into that request's
-   file (a memory-mapped ``[T, layers, hidden]`` bf16 file, one per request) by position and
-   gives the slot back. A request's file is written as ``<key>.partial`` and renamed to
+   waits for the copy; filing threads (two on a GPU) then write each request's rows into that
+   request's file (``[T, layers, hidden]`` bf16) at their positions' offsets with ``pwrite``
+   (it releases the GIL and, into tmpfs, moves about twice the bytes per second of a copy into
+   a memory map) and give the slot back. Each request has one filing thread, so its forwards
+   are filed in order. A request's file is written as ``<key>.partial`` and renamed to
    ``<key>.bin`` the moment its last position is filed, so the driver can take each request
    while the engine still works on others.
 
-The engine only waits when every slot is still in flight (counted as ``slot_wait_s``). Rows
-are filed by position, so chunked prefill (a prompt over several forwards) and preemption (a
-recomputed prompt overwrites its rows, counted as ``overwritten_tokens``) give one row per
-position; positions at or past the prompt's length (a step scheduled after the prompt, as async
-scheduling can) are dropped and counted. ``drain()`` waits for the thread and returns what was
-filed since the last drain.
+The engine only waits when every slot is still in flight (counted as ``slot_wait_s``;
+``filing_s`` is the filing threads' busy time, summed). Rows are filed by position, so chunked
+prefill (a prompt over several forwards) and preemption (a recomputed prompt overwrites its
+rows, counted as ``overwritten_tokens``) give one row per position; positions at or past the
+prompt's length (a step scheduled after the prompt, as async scheduling can) are dropped and
+counted. ``drain()`` waits for the threads and returns what was filed since the last drain.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
@@ -35,12 +38,13 @@ from typing import Any
 import torch
 
 STATE_DTYPE = torch.bfloat16
-DEFAULT_SLOTS = 3
+DEFAULT_SLOTS = 4
+# A GPU's forwards outrun one thread's writes; on the CPU the engine needs the cores.
+FILING_THREADS = {"cuda": 2}
 
 
 @dataclass
 class _Slot:
-    index: int
     stage: torch.Tensor  # [max_tokens, layers, hidden] on the model's device
     stage_positions: torch.Tensor  # [max_tokens] int64 on the model's device
     host: torch.Tensor  # = stage on the CPU; page-locked host memory on a GPU
@@ -54,19 +58,25 @@ class _Queued:
     slot: _Slot
     num_tokens: int
     layout: list[tuple[str, int]]
+    unfiled: int  # filing threads still to go over this forward; the last frees the slot
 
 
 @dataclass
 class _Request:
     """One request's file: its states are written in place, position by position."""
 
-    index: int
     length: int
     path: Path  # the open file; renamed to ``final`` when complete
     final: Path
-    states: torch.Tensor | None  # memory map of the file while the request is open
+    fd: int | None  # open for writing until the request is complete
     filled: torch.Tensor  # bool [length]
+    filer: int  # the one filing thread that writes this request, so its forwards keep order
     forwards: int = 0
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     @property
     def missing(self) -> int:
@@ -95,6 +105,7 @@ class StateRecorder:
         device: torch.device,
         out_dir: str | os.PathLike[str],
         num_slots: int = DEFAULT_SLOTS,
+        filing_threads: int | None = None,
     ) -> None:
         self.num_columns = int(num_columns)
         self.hidden_size = int(hidden_size)
@@ -104,32 +115,43 @@ class StateRecorder:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._slots = [self._make_slot(i) for i in range(num_slots)]
+        self._slots = [self._make_slot() for _ in range(num_slots)]
         self._free: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for slot in self._slots:
             self._free.put(slot)
-        self._queue: queue.Queue[_Queued | None] = queue.Queue()
         self._requests: dict[str, _Request] = {}
         self._next_index = 0
         self._stats = _Stats()
         self._error: BaseException | None = None
-        self._lock = threading.Lock()  # guards _requests between begin() and the thread
-        self._thread = threading.Thread(target=self._file_forever, name="draftflow-filing")
-        self._thread.daemon = True
-        self._thread.start()
+        # Guards _requests (begin() adds, the filing threads read) and the counters.
+        self._lock = threading.Lock()
+        count = (
+            FILING_THREADS.get(self.device.type, 1) if filing_threads is None else filing_threads
+        )
+        self._queues: list[queue.Queue[_Queued | None]] = [
+            queue.Queue() for _ in range(max(1, count))
+        ]
+        self._threads = [
+            threading.Thread(
+                target=self._file_forever, args=(filer,), name=f"draftflow-filing-{filer}"
+            )
+            for filer in range(len(self._queues))
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
         self.current: _Slot | None = None
         self._current_tokens = 0
 
-    def _make_slot(self, index: int) -> _Slot:
+    def _make_slot(self) -> _Slot:
         shape = (self.max_tokens, self.num_columns, self.hidden_size)
         stage = torch.empty(shape, dtype=STATE_DTYPE, device=self.device)
         stage_positions = torch.empty(self.max_tokens, dtype=torch.int64, device=self.device)
         if not self._cuda:
-            return _Slot(index, stage, stage_positions, stage, stage_positions)
+            return _Slot(stage, stage_positions, stage, stage_positions)
         host = torch.empty(shape, dtype=STATE_DTYPE, pin_memory=True)
         host_positions = torch.empty(self.max_tokens, dtype=torch.int64, pin_memory=True)
         return _Slot(
-            index,
             stage,
             stage_positions,
             host,
@@ -192,7 +214,9 @@ class StateRecorder:
                 slot.host[:n].copy_(slot.stage[:n], non_blocking=True)
                 slot.host_positions[:n].copy_(slot.stage_positions[:n], non_blocking=True)
                 slot.copied.record(self._copy_stream)
-        self._queue.put(_Queued(slot, n, list(layout)))
+        item = _Queued(slot, n, list(layout), unfiled=len(self._queues))
+        for filing in self._queues:
+            filing.put(item)
 
     def abort(self) -> None:
         """The forward failed or did not run: give its slot back unfiled."""
@@ -200,44 +224,58 @@ class StateRecorder:
             self._free.put(self.current)
             self.current = None
 
-    # ------------------------------------------------------------ the filing thread
+    # ------------------------------------------------------------ the filing threads
     def _open_request(self, length: int, key: str | None) -> _Request:
         if length < 1:
             raise RuntimeError(f"a request with a prompt of {length} tokens cannot be captured")
         index, self._next_index = self._next_index, self._next_index + 1
         key = key or f"request-{index:06d}"
         path, final = self.out_dir / f"{key}.partial", self.out_dir / f"{key}.bin"
-        numel = length * self.num_columns * self.hidden_size
-        with open(path, "wb") as handle:
-            handle.truncate(numel * STATE_DTYPE.itemsize)
-        states = torch.from_file(str(path), shared=True, size=numel, dtype=STATE_DTYPE)
-        states = states.view(length, self.num_columns, self.hidden_size)
-        return _Request(index, length, path, final, states, torch.zeros(length, dtype=torch.bool))
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, length * self._row_bytes)
+        filled = torch.zeros(length, dtype=torch.bool)
+        return _Request(length, path, final, fd, filled, filer=index % len(self._queues))
+
+    @property
+    def _row_bytes(self) -> int:
+        return self.num_columns * self.hidden_size * STATE_DTYPE.itemsize
 
     @torch.inference_mode()  # requests are opened inside the forward: inference tensors
-    def _file_forever(self) -> None:
+    def _file_forever(self, filer: int) -> None:
+        filing = self._queues[filer]
         while True:
-            item = self._queue.get()
+            item = filing.get()
             try:
                 if item is None:
                     return
                 if self._error is None:
                     began = time.perf_counter()
-                    self._file(item)
-                    self._stats.filing_s += time.perf_counter() - began
+                    self._file(item, filer)
+                    with self._lock:
+                        self._stats.filing_s += time.perf_counter() - began
             except BaseException as error:  # surfaced to the engine at its next begin()/drain()
                 self._error = error
             finally:
-                if item is not None:
+                if item is not None and self._last_filer(item):
                     self._free.put(item.slot)
-                self._queue.task_done()
+                filing.task_done()
 
-    def _file(self, item: _Queued) -> None:
+    def _last_filer(self, item: _Queued) -> bool:
+        with self._lock:
+            item.unfiled -= 1
+            if item.unfiled:
+                return False
+            self._stats.forwards += 1
+            self._stats.tokens += item.num_tokens
+            return True
+
+    def _file(self, item: _Queued, filer: int) -> None:
+        """Write this filing thread's requests of one forward into their files."""
         slot, n = item.slot, item.num_tokens
         if self._cuda:
             slot.copied.synchronize()
         states, positions = slot.host[:n], slot.host_positions[:n]
-        start = 0
+        start, beyond, overwritten = 0, 0, 0
         for req_id, count in item.layout:
             rows, where = states[start : start + count], positions[start : start + count]
             start += count
@@ -245,31 +283,28 @@ class StateRecorder:
                 request = self._requests.get(req_id)
             if request is None:
                 raise RuntimeError(f"request {req_id!r} was never scheduled as a new request")
+            if request.filer != filer:
+                continue
             inside = where < request.length
             if not bool(inside.all()):
-                self._stats.beyond_prompt_tokens += int((~inside).sum())
+                beyond += int((~inside).sum())
                 rows, where = rows[inside], where[inside]
             if where.numel() == 0:
                 continue
-            if request.states is None:
+            if request.fd is None:
                 raise RuntimeError(f"request {req_id!r} got prompt states after it was complete")
-            first, last = int(where[0]), int(where[-1])
-            if last - first + 1 == where.numel() and bool((where.diff() == 1).all()):
-                request.states[first : last + 1].copy_(rows)  # the usual case: one range
-                seen = request.filled[first : last + 1]
-                self._stats.overwritten_tokens += int(seen.sum())
-                seen.fill_(True)
-            else:
-                request.states.index_copy_(0, where, rows)
-                self._stats.overwritten_tokens += int(request.filled[where].sum())
-                request.filled[where] = True
+            for first, run in _position_runs(where):
+                _write_rows(request.fd, rows[run], first * self._row_bytes)
+            overwritten += int(request.filled[where].sum())
+            request.filled[where] = True
             request.forwards += 1
             if bool(request.filled.all()):
-                request.states = None  # unmap, then publish the complete file
-                os.replace(request.path, request.final)
+                request.close()
+                os.replace(request.path, request.final)  # publish the complete file
                 request.path = request.final
-        self._stats.forwards += 1
-        self._stats.tokens += n
+        with self._lock:
+            self._stats.beyond_prompt_tokens += beyond
+            self._stats.overwritten_tokens += overwritten
 
     def _raise_thread_error(self) -> None:
         if self._error is not None:
@@ -282,14 +317,15 @@ class StateRecorder:
 
         ``requests``: engine request id -> ``{"file", "length", "missing", "forwards"}``.
         """
-        self._queue.join()
+        for filing in self._queues:
+            filing.join()
         self._raise_thread_error()
         with self._lock:
             requests, self._requests = self._requests, {}
         stats = self._stats
         self._stats = _Stats()
         for request in requests.values():
-            request.states = None
+            request.close()
         return {
             "requests": {
                 req_id: {
@@ -314,18 +350,39 @@ class StateRecorder:
 
     def discard(self) -> None:
         """Forget every open request and delete its file (a reset between calls)."""
-        self._queue.join()
+        for filing in self._queues:
+            filing.join()
         with self._lock:
             requests, self._requests = self._requests, {}
         for request in requests.values():
-            request.states = None
+            request.close()
             request.path.unlink(missing_ok=True)
-        for leftover in self.out_dir.glob("*.bin"):  # published but never taken by the driver
+        # Published but never taken by the driver, or left unfinished by a drained call.
+        for leftover in [*self.out_dir.glob("*.bin"), *self.out_dir.glob("*.partial")]:
             leftover.unlink()
         self._stats = _Stats()
         self._error = None
 
     def close(self) -> None:
         self.discard()
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        for filing in self._queues:
+            filing.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+
+def _position_runs(where: torch.Tensor) -> list[tuple[int, slice]]:
+    """Split positions into runs of consecutive ones: (first position, slice of ``where``)."""
+    if where.numel() == 1 or bool((where.diff() == 1).all()):
+        return [(int(where[0]), slice(0, where.numel()))]  # the usual case: one range
+    breaks = (torch.nonzero(where.diff() != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, where.numel()]
+    return [(int(where[a]), slice(a, b)) for a, b in itertools.pairwise(bounds)]
+
+
+def _write_rows(fd: int, rows: torch.Tensor, offset: int) -> None:
+    """Write contiguous rows at ``offset`` (``pwrite`` may write less than asked: loop)."""
+    view = memoryview(rows.contiguous().view(-1).view(torch.uint8).numpy())
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

@@ -1,0 +1,102 @@
+"""The state recorder on its own (no engine): rows filed by position into one file per request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftflow.capture.recorder import STATE_DTYPE, StateRecorder
+
+COLUMNS, HIDDEN = 2, 8
+
+
+def _forward(recorder: StateRecorder, batch: list[tuple[str, torch.Tensor]], lengths: dict):
+    """One fake forward: ``batch`` = (request id, positions) in batch order."""
+    tokens = sum(int(p.numel()) for _, p in batch)
+    recorder.begin(tokens, {rid: (lengths[rid], rid) for rid, _ in batch})
+    positions = torch.cat([p for _, p in batch])
+    recorder.keep_positions(positions)
+    for column in range(COLUMNS):
+        # the row's value encodes request, position and column, so misplaced rows show
+        values = torch.cat([_rows(rid, p, column) for rid, p in batch])
+        recorder.keep(column, values, None)
+    recorder.mark_ready()
+    recorder.end([(rid, int(p.numel())) for rid, p in batch])
+
+
+def _rows(rid: str, positions: torch.Tensor, column: int) -> torch.Tensor:
+    # exact in bf16 (integers below 256): position < 40, two columns, three requests
+    base = positions.to(torch.float32)[:, None] + 40 * column + 80 * (int(rid[1:]) - 1)
+    return (base + torch.zeros(1, HIDDEN)).to(STATE_DTYPE)
+
+
+def _expected(rid: str, length: int) -> torch.Tensor:
+    positions = torch.arange(length)
+    return torch.stack([_rows(rid, positions, c) for c in range(COLUMNS)], dim=1)
+
+
+def _read(path: str, length: int) -> torch.Tensor:
+    raw = torch.from_file(path, shared=False, size=length * COLUMNS * HIDDEN, dtype=STATE_DTYPE)
+    return raw.view(length, COLUMNS, HIDDEN)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunked_out_of_order_and_recomputed_rows_are_filed_by_position(
+    tmp_path: Path, threads: int
+) -> None:
+    recorder = StateRecorder(
+        num_columns=COLUMNS,
+        hidden_size=HIDDEN,
+        max_tokens=64,
+        device=torch.device("cpu"),
+        out_dir=tmp_path,
+        filing_threads=threads,
+    )
+    lengths = {"r1": 40, "r2": 7, "r3": 5}
+    try:
+        # r1 over three forwards, r2 in one, r3 in two pieces that are not consecutive runs
+        _forward(recorder, [("r1", torch.arange(0, 20)), ("r2", torch.arange(7))], lengths)
+        _forward(
+            recorder, [("r3", torch.tensor([0, 1, 3, 4])), ("r1", torch.arange(20, 30))], lengths
+        )
+        # r1 recomputed from 10 (a preemption), then finished; r3's last row; a step past r2
+        _forward(
+            recorder,
+            [("r1", torch.arange(10, 40)), ("r3", torch.tensor([2])), ("r2", torch.tensor([7]))],
+            lengths,
+        )
+        result = recorder.drain()
+        stats, requests = result["stats"], result["requests"]
+        assert stats["forwards"] == 3 and stats["requests"] == 3
+        assert stats["overwritten_tokens"] == 20  # r1's positions 10..29, filed twice
+        assert stats["beyond_prompt_tokens"] == 1
+        assert requests["r1"]["forwards"] == 3 and requests["r3"]["forwards"] == 2
+        for rid, length in lengths.items():
+            request = requests[rid]
+            assert request["missing"] == 0 and request["file"].endswith(f"{rid}.bin")
+            assert torch.equal(_read(request["file"], length), _expected(rid, length))
+        assert not list(tmp_path.glob("*.partial"))
+    finally:
+        recorder.close()
+
+
+def test_an_unfinished_request_stays_partial_and_is_reported_missing(tmp_path: Path) -> None:
+    recorder = StateRecorder(
+        num_columns=COLUMNS,
+        hidden_size=HIDDEN,
+        max_tokens=16,
+        device=torch.device("cpu"),
+        out_dir=tmp_path,
+    )
+    try:
+        _forward(recorder, [("r1", torch.arange(0, 6))], {"r1": 10})
+        result = recorder.drain()
+        assert result["requests"]["r1"]["missing"] == 4
+        assert result["requests"]["r1"]["file"].endswith("r1.partial")
+        with pytest.raises(RuntimeError, match="exceeds the capture buffer"):
+            recorder.begin(17, {})
+    finally:
+        recorder.close()
+    assert not list(tmp_path.iterdir())  # close() deletes what was never published

@@ -10,8 +10,8 @@ Used inside a vLLM worker by ``draftflow.capture.worker_extension``. Per forward
    memory on a side stream, ordered after the forward by a CUDA event, so the forward never
    waits for the copy; filing threads (two on a GPU) then write each request's rows into that
    request's file (``[T, layers, hidden]`` bf16) at their positions' offsets with ``pwrite``
-   (it releases the GIL and, into tmpfs, moves about twice the bytes per second of a copy into
-   a memory map) and give the slot back. Each request has one filing thread, so its forwards
+   (no memory map per request; the write releases the GIL, so the threads run side by side)
+   and give the slot back. Each request has one filing thread, so its forwards
    are filed in order. A request's file is written as ``<key>.partial`` and renamed to
    ``<key>.bin`` the moment its last position is filed, so the driver can take each request
    while the engine still works on others.

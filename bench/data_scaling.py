@@ -10,7 +10,8 @@ fixed val split.
 
 Every stage runs the project's own code (ingest, tokenize, split, shard, the ``hf`` capture
 backend through ``run_extract``, the vocab stage, the train rule's ``launch``) except
-regeneration, which uses ``transformers`` ``generate`` (the GPU side needs no vLLM install).
+regeneration, which uses ``transformers`` ``generate`` (so the GPU side needs only torch and
+transformers).
 
 Subcommands::
 
@@ -19,8 +20,8 @@ Subcommands::
     python bench/data_scaling.py train --work W --shards 1 4 16 --out OUT           # on the GPU
     python bench/data_scaling.py draft --weights OUT/draft-16.safetensors ...       # here
 
-``pack`` splits the GGUF in two halves (``part-a`` and ``part-b`` folders) because one device
-call carries at most 64 MiB; ``data`` joins them.
+``pack`` writes the GGUF in two halves (``part-a`` and ``part-b`` folders), so each part can be
+copied to a GPU node on its own where transfers are size-limited; ``data`` joins them.
 """
 
 from __future__ import annotations

@@ -113,6 +113,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         device="cuda",
     )
     started = time.perf_counter()
+    setup: dict = {}  # what the capture backend's workers report (plain has none)
     if args.mode == "plain":
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -156,6 +157,7 @@ def run_mode(args: argparse.Namespace) -> dict:
             }
 
         close = backend.close
+        setup = getattr(backend, "setup", {})
     startup = time.perf_counter() - started
     run(prompts[: min(8, len(prompts))], None)
     on_gpu = torch.cuda.is_available()
@@ -171,7 +173,6 @@ def run_mode(args: argparse.Namespace) -> dict:
                 **detail,
             }
         )
-    setup = getattr(locals().get("backend"), "setup", {})
     close()
     for repeat in range(args.repeats):
         shutil.rmtree(Path(args.root) / f"store-{args.mode}-{repeat}", ignore_errors=True)

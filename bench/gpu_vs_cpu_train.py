@@ -6,7 +6,7 @@ the val accuracy of the CPU (fp32, SDPA)? Both runs use the train rule's code pa
 config/config.yaml's ``train:`` section); only ``device`` and ``threads`` differ, plus an
 optional ``--epochs`` override used by both runs alike.
 
-Everything a device call needs must travel with it (64 MiB in all), so ``pack`` copies a subset:
+``pack`` copies a small subset, so what the GPU node needs fits in one small transfer:
 
 - the val samples in file order up to ``--val-max-mb`` of hidden states, then the train
   samples in file order up to ``--max-mb`` in all, rewritten with the capture stage's

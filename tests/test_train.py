@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.capture.store import ShardWriter
+from draftflow.io import sha256_file
 from draftflow.train.checkpoint import latest_checkpoint
 from draftflow.train.job import TrainJob
 from draftflow.train.loop import train
@@ -246,10 +247,29 @@ def _run_cli(job: TrainJob, job_path: Path) -> subprocess.Popen:
     )
 
 
+# Wall-clock fields of the metrics log: the only ones two runs of one job may differ in.
+TIMING_KEYS = {"tokens_per_s"}
+
+
+def _untimed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
 def test_killed_run_resumes_bit_identical(tiny_store, tmp_path):
-    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 1000}
+    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 6}
     straight = _job(tiny_store, tmp_path / "straight", **settings)
     train(straight)
+
+    # Two runs from scratch: the same weights and metrics to the bit, and the export says so.
+    again = _job(tiny_store, tmp_path / "again", **settings)
+    train(again)
+    first, second = (Path(j.draft_dir) for j in (straight, again))
+    sums = [json.loads((d / "draftflow_train.json").read_text())["files"] for d in (first, second)]
+    assert sums[0] == sums[1] and {"config.json", "model.safetensors"} <= set(sums[0])
+    assert sums[0]["model.safetensors"] == sha256_file(first / "model.safetensors")
+    records = [read_metrics(j.metrics_path) for j in (straight, again)]
+    assert _untimed(records[0]) == _untimed(records[1])
+    assert any(r["kind"] == "val" and r["step"] == 6 for r in records[0])
 
     resumed = _job(tiny_store, tmp_path / "resumed", **settings)
     process = _run_cli(resumed, tmp_path / "job.json")
@@ -378,6 +398,19 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "val"] == [0, 4, 8]
     assert (work / "results" / "train" / "checkpoints" / "latest.json").is_file()
     assert "train done" in (work / "logs" / "train.log").read_text()
+
+    # A capture chunk changed after its extract job finished: training from scratch refuses it
+    # and names the file (the chunk's sha256 no longer matches its shard's manifest).
+    chunk = work / "results" / "extract" / "train" / "shard-00000" / "chunk-00000.safetensors"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    shutil.rmtree(work / "results" / "train")
+    rerun = subprocess.run(command, cwd=work, capture_output=True, text=True, check=False)
+    assert rerun.returncode != 0, "training accepted a corrupt capture chunk"
+    log = (work / "logs" / "train.log").read_text()
+    assert f"{chunk.relative_to(work)} is corrupt: sha256" in log, log[-3000:]
+    assert not (work / "results" / "train" / "draft").exists()
 
 
 @pytest.mark.parametrize(

@@ -30,30 +30,38 @@ _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TOOL_RESPONSE = re.compile(r"\A\s*<tool_response>(.*)</tool_response>\s*\Z", re.DOTALL)
 
 
+def _parsed(raw: Any, what: str) -> Any:
+    """``raw``, or the JSON it holds when it is a string (``what`` names it in the error)."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{what} {'are' if what.endswith('s') else 'is'} not JSON ({error.msg})"
+        ) from None
+
+
+def _json_object(raw: Any, what: str) -> dict[str, Any]:
+    """``raw`` (or the JSON string of it) as a dict, else a ValueError naming ``what``."""
+    raw = _parsed(raw, what)
+    if not isinstance(raw, dict):
+        verb = "are" if what.endswith("s") else "is"
+        raise ValueError(f"{what} {verb} a {type(raw).__name__}, not an object")
+    return raw
+
+
 def _arguments(raw: Any) -> dict[str, Any]:
     if raw is None or raw == "":
         return {}
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"arguments are not JSON ({error.msg})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"arguments are a {type(raw).__name__}, not an object")
-    return raw
+    return _json_object(raw, "arguments")
 
 
 def normalise_tool_call(raw: Any) -> dict[str, Any]:
     """One tool call in normal form, from the OpenAI shape or the flat ``{name, arguments}`` one
     (ShareGPT ``function_call`` turns, Hermes ``<tool_call>`` blocks; ``parameters`` is Llama's
     spelling of ``arguments``)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"tool call is not JSON ({error.msg})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"tool call is a {type(raw).__name__}, not an object")
+    raw = _json_object(raw, "tool call")
     function = raw.get("function", raw)
     if not isinstance(function, dict):
         raise ValueError(f"tool call 'function' is a {type(function).__name__}, not an object")
@@ -75,11 +83,7 @@ def normalise_tool_call(raw: Any) -> dict[str, Any]:
 
 def normalise_tool_calls(raw: Any) -> list[dict[str, Any]]:
     """A list of tool calls (a single object is one call; a JSON string is parsed first)."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"tool calls are not JSON ({error.msg})") from None
+    raw = _parsed(raw, "tool calls")
     calls = raw if isinstance(raw, list) else [raw]
     if not calls:
         raise ValueError("empty list of tool calls")
@@ -92,10 +96,7 @@ def normalise_tools(raw: Any) -> list[dict[str, Any]]:
     if isinstance(raw, str):
         if not raw.strip():
             return []
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"tools are not JSON ({error.msg})") from None
+        raw = _parsed(raw, "tools")
     if not isinstance(raw, list):
         raise ValueError(f"tools are a {type(raw).__name__}, not a list")
     tools = []

@@ -3,8 +3,9 @@
 ``draft/config.json`` (speculators' ``Eagle3SpeculatorConfig``, its ``speculators_config``
 naming the verifier), ``draft/model.safetensors`` (bf16, written by speculators'
 ``save_pretrained``, which leaves out the verifier-only weights), ``draft/README.md`` (model
-card) and ``draft/draftflow_train.json`` (settings, data, final val metrics). The directory is
-built beside its final place and renamed into it.
+card) and ``draft/draftflow_train.json`` (settings, data, final val metrics, and the sha256 of
+``config.json`` and ``model.safetensors`` under ``files``). The directory is built beside its
+final place and renamed into it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from draftflow.io import atomic_write_json, atomic_write_text, staged_dir
+from draftflow.io import atomic_write_json, atomic_write_text, sha256_file, staged_dir
 from draftflow.train.job import TrainJob
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,17 @@ def export_draft(model: torch.nn.Module, job: TrainJob, summary: dict) -> Path:
     final = Path(job.draft_dir)
     with staged_dir(final) as tmp:
         save_speculators_checkpoint(model, tmp)
+        # The checkpoint's own checksums: two runs of the same job can be compared by these.
+        files = {path.name: sha256_file(path) for path in sorted(tmp.iterdir()) if path.is_file()}
         atomic_write_text(tmp / "README.md", model_card(job, summary))
         atomic_write_json(
             tmp / "draftflow_train.json",
-            {**summary, "settings": job.settings.to_dict(), "target": job.target_dir},
+            {
+                **summary,
+                "settings": job.settings.to_dict(),
+                "target": job.target_dir,
+                "files": files,
+            },
         )
     log.info("exported the draft to %s", final)
     return final

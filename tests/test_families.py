@@ -149,3 +149,19 @@ def test_llava_on_the_cpu_build_fails_with_one_clear_error(family_targets):
     assert "CPU build" in message
     assert "torchvision" in message
     assert "extract.backend hf" in message
+
+
+def test_kimi_k25_example_validates_against_the_schema(repo_root):
+    """config/examples/kimi-k2.5-8gpu.yaml as Snakemake reads it (merged over the default)."""
+    import yaml
+    from snakemake.utils import update_config, validate
+
+    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    example = yaml.safe_load((repo_root / "config/examples/kimi-k2.5-8gpu.yaml").read_text())
+    update_config(config, example)
+    validate(config, str(repo_root / "config" / "schema.yaml"))
+    assert config["target"]["trust_remote_code"] is True  # its tiktoken tokenizer is remote code
+    extract = config["extract"]
+    assert extract["use_gpu"] and extract["tp_size"] == 8 == config["resources"]["train_gpus"]
+    # Kimi-K2.5's text model has 61 layers: the ids are vLLM's EAGLE-3 default for it.
+    assert extract["aux_layers"] == default_aux_layers(61)

@@ -299,6 +299,13 @@ _HINTS = (
         "which is not installed: install the torchvision build matching torch, or capture "
         "with extract.backend hf (docs/capture.md lists the families each platform runs)",
     ),
+    (
+        "does not support EAGLE3 interface",
+        "; vLLM's EAGLE-3 (the bench stage) and its extract_hidden_states (extract.backend "
+        "native) need a model class that hands out aux hidden states (SupportsEagle3 in "
+        "vLLM's models); capture this target with extract.backend hooks or hf: the draft "
+        "trains and exports, but vLLM cannot benchmark it",
+    ),
 )
 
 

@@ -165,3 +165,18 @@ def test_kimi_k25_example_validates_against_the_schema(repo_root):
     assert extract["use_gpu"] and extract["tp_size"] == 8 == config["resources"]["train_gpus"]
     # Kimi-K2.5's text model has 61 layers: the ids are vLLM's EAGLE-3 default for it.
     assert extract["aux_layers"] == default_aux_layers(61)
+
+
+def test_start_errors_of_unsupported_classes_say_what_to_do():
+    """vLLM's own words for a class without EAGLE-3 support, and a missing torchvision."""
+    from draftflow.engine import start_hint
+
+    eagle3 = start_hint(
+        "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs "
+        "was requested"
+    )
+    assert "SupportsEagle3" in eagle3 and "extract.backend hooks or hf" in eagle3
+    assert "cannot benchmark" in eagle3
+    vision = start_hint("ModuleNotFoundError: No module named 'torchvision'")
+    assert "torchvision" in vision and "extract.backend hf" in vision
+    assert start_hint("ValueError: something else") == ""

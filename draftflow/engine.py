@@ -165,8 +165,10 @@ def text_only_kwargs(model: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     import dataclasses
 
-    from vllm.engine.arg_utils import EngineArgs
-
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # no vLLM: these arguments are never used
+        return {}
     if "language_model_only" in {f.name for f in dataclasses.fields(EngineArgs)}:
         return {"language_model_only": True}
     return {"limit_mm_per_prompt": {"image": 0}}

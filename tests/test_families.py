@@ -138,6 +138,26 @@ def test_hooks_capture_matches_hf(family, family_targets):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+def test_native_capture_matches_hf(family, family_targets):
+    """vLLM's extractor (the CPU-safe connector) on each class that hands out aux states."""
+    target = family_targets(family)
+    layer_ids = capture_layers(target).layer_ids
+    prompts = make_prompts(LENGTHS, seed=4)
+    backend = make_backend("native", target, layer_ids, ENGINE)
+    try:
+        captured = backend.capture(prompts)
+    finally:
+        backend.close()
+    reference = make_backend("hf", target, layer_ids, EngineSettings(ENGINE.max_model_len))
+    try:
+        summary = assert_verifies(captured, reference.capture(prompts), layer_ids)
+    finally:
+        reference.close()
+    print(family, "native vs hf fp32:", summary)
+
+
+@pytest.mark.vllm
 def test_llava_on_the_cpu_build_fails_with_one_clear_error(family_targets):
     """vLLM's Llava (like its other vision wrappers but Kimi-K2.5) imports torchvision."""
     target = family_targets("llava")

@@ -200,3 +200,17 @@ def test_start_errors_of_unsupported_classes_say_what_to_do():
     vision = start_hint("ModuleNotFoundError: No module named 'torchvision'")
     assert "torchvision" in vision and "extract.backend hf" in vision
     assert start_hint("ValueError: something else") == ""
+
+
+def test_a_checkpoint_transformers_cannot_run_as_text_is_named(tmp_path):
+    from transformers import CLIPVisionConfig
+
+    from draftflow.capture.backends.hf import load_target
+
+    vision = CLIPVisionConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1)
+    vision.save_pretrained(str(tmp_path))
+    with pytest.raises(RuntimeError) as raised:
+        load_target(tmp_path, torch.float32, trust_remote_code=False)
+    message = str(raised.value)
+    assert "CLIPVisionConfig" in message
+    assert "AutoModelForCausalLM or AutoModelForImageTextToText" in message

@@ -302,6 +302,12 @@ _HINTS = (
         "with extract.backend hf (docs/capture.md lists the families each platform runs)",
     ),
     (
+        "Can't load image processor",
+        "; vLLM builds a multimodal wrapper's processor for every engine that tokenizes "
+        "(regenerate, bench), text only or not: the checkpoint must ship its image processor "
+        "(preprocessor_config.json, as released checkpoints do)",
+    ),
+    (
         "does not support EAGLE3 interface",
         "; vLLM's EAGLE-3 (the bench stage) and its extract_hidden_states (extract.backend "
         "native) need a model class that hands out aux hidden states (SupportsEagle3 in "

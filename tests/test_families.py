@@ -199,6 +199,8 @@ def test_start_errors_of_unsupported_classes_say_what_to_do():
     assert "cannot benchmark" in eagle3
     vision = start_hint("ModuleNotFoundError: No module named 'torchvision'")
     assert "torchvision" in vision and "extract.backend hf" in vision
+    processor = start_hint("OSError: Can't load image processor for 'resources/target'.")
+    assert "preprocessor_config.json" in processor and "bench" in processor
     assert start_hint("ValueError: something else") == ""
 
 

@@ -139,7 +139,39 @@ def engine_kwargs(
         kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
     if tensor_parallel_size > 1:  # the target sharded over the job's GPUs
         kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
-    return {**kwargs, **dict(extra or {})}
+    return {**kwargs, **text_only_kwargs(model), **dict(extra or {})}
+
+
+# config.json keys of multimodal wrappers (Llava, Mistral3, Gemma-3, Qwen-VL, Kimi-K2.5).
+_TOWER_CONFIGS = ("vision_config", "audio_config")
+
+
+def is_multimodal_wrapper(model: str | os.PathLike[str]) -> bool:
+    """Whether a local checkpoint wraps its language model with a vision or audio tower."""
+    import json
+    from pathlib import Path
+
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    return any(key in config for key in _TOWER_CONFIGS)
+
+
+def text_only_kwargs(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """``vllm.LLM`` arguments that run a multimodal wrapper as its language model alone: every
+    stage sends text, so vLLM builds no tower and needs no image processor."""
+    if not is_multimodal_wrapper(model):
+        return {}
+    import dataclasses
+
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # no vLLM: these arguments are never used
+        return {}
+    if "language_model_only" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return {"language_model_only": True}
+    return {"limit_mm_per_prompt": {"image": 0}}
 
 
 class EngineStartError(RuntimeError):
@@ -227,10 +259,11 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
                 return vllm.LLM(**copy.deepcopy(dict(kwargs)))
             except Exception as error:
                 tail.settle()
-                cause = root_cause([*tail.lines, str(error)])
+                cause = root_cause([*tail.lines, str(error)]) or str(error)
                 raise EngineStartError(
-                    f"vLLM could not start an engine for {kwargs.get('model')}: "
-                    f"{cause or error} (the engine's log is above)"
+                    f"vLLM {installed_vllm_version()} ({platform_name()}) could not start an "
+                    f"engine for {describe_model(kwargs.get('model'))}: {cause}"
+                    f"{start_hint(cause)} (the engine's log is above)"
                 ) from error
     finally:
         for name, value in saved.items():
@@ -238,6 +271,54 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def platform_name() -> str:
+    try:
+        return "CPU build" if on_cpu_build() else "GPU"
+    except Exception:  # the platform itself failed to load: the cause says why
+        return "platform unknown"
+
+
+def describe_model(model: Any) -> str:
+    """``<architecture> at <path>`` for a local checkpoint, else the name as given."""
+    import json
+    from pathlib import Path
+
+    config_path = Path(str(model)) / "config.json"
+    try:
+        architectures = json.loads(config_path.read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError):
+        architectures = None
+    return f"{'/'.join(architectures)} at {model}" if architectures else str(model)
+
+
+# Causes of a failed start whose fix is known: (text in the cause, what to tell the user).
+_HINTS = (
+    (
+        "torchvision",
+        "; vLLM's vision wrappers (Llava, Mistral3, Gemma-3, Qwen-VL) import torchvision, "
+        "which is not installed: install the torchvision build matching torch, or capture "
+        "with extract.backend hf (docs/capture.md lists the families each platform runs)",
+    ),
+    (
+        "Can't load image processor",
+        "; vLLM builds a multimodal wrapper's processor for every engine that tokenizes "
+        "(regenerate, bench), text only or not: the checkpoint must ship its image processor "
+        "(preprocessor_config.json, as released checkpoints do)",
+    ),
+    (
+        "does not support EAGLE3 interface",
+        "; vLLM's EAGLE-3 (the bench stage) and its extract_hidden_states (extract.backend "
+        "native) need a model class that hands out aux hidden states (SupportsEagle3 in "
+        "vLLM's models); capture this target with extract.backend hooks or hf: the draft "
+        "trains and exports, but vLLM cannot benchmark it",
+    ),
+)
+
+
+def start_hint(cause: str) -> str:
+    return "".join(hint for text, hint in _HINTS if text in cause)
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -50,3 +50,19 @@ def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -
     workdir = prepare_tiny_workdir(tmp_path_factory.mktemp("tiny") / "workflow", smollm2_dir)
     run_snakemake(workdir, "--cores", "2", timeout=1500)
     return workdir
+
+
+@pytest.fixture(scope="session")
+def family_targets(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    """A builder of the random-weight family targets (tests/families.py), each built once."""
+    from families import build_family_target
+
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp(f"target-{family}")
+            built[family] = build_family_target(family, out, smollm2_dir)
+        return built[family]
+
+    return build

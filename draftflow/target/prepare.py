@@ -62,14 +62,15 @@ def prepare_target(
     if chat_template:
         _replace_chat_template(staging, resolve_path(chat_template))
     config = json.loads((staging / "config.json").read_text())
+    text = config.get("text_config") or config  # multimodal wrappers nest the text model's
     info = {
         "source": source,
         "origin": origin,
         "dtype": dtype,
         "architectures": config.get("architectures"),
-        "num_hidden_layers": config["num_hidden_layers"],
-        "hidden_size": config["hidden_size"],
-        "vocab_size": config["vocab_size"],
+        "num_hidden_layers": text["num_hidden_layers"],
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
         "revision": checkpoint_revision(staging),
     }
     atomic_write_json(staging / TARGET_INFO, info)

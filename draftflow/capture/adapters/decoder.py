@@ -2,10 +2,13 @@
 final norm, their call conventions, and the execute_model wrapper.
 
 - the model: ``runner.get_model()`` (unwraps CUDA-graph wrappers);
-- the decoder: ``model.model.layers`` (a ModuleList of layers called as
-  ``layer(positions, hidden_states, residual) -> (hidden_states, residual)``) and
-  ``model.model.norm`` called as ``norm(hidden_states, residual)`` (fused add + RMSNorm): Llama,
-  Mistral, Qwen2/3 and the other Llama-shaped decoders;
+- the decoder: found by ``draftflow.capture.decoder_search.find_decoder``: ``model.model`` for
+  causal LMs (Llama, Mistral, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3 with MLA and MoE),
+  ``language_model.model`` for multimodal wrappers (Llava, Mistral3, Qwen2.5-VL/Qwen3-VL,
+  Kimi-K2.5), else the one submodule with ``layers`` and ``norm``. Its layers are called as
+  ``layer(positions, hidden_states, residual) -> (hidden_states, residual)`` and its norm as
+  ``norm(hidden_states, residual)`` (fused add + RMSNorm); M-RoPE models (Qwen-VL) pass
+  positions as ``[3, T]``, whose rows agree for text-only prompts, so the first row is kept;
 - ``runner.execute_model(scheduler_output, ...)`` runs the forward. Since 0.11.1 it returns None
   and ``sample_tokens()`` finishes the step; only ``execute_model`` is wrapped and its result is
   passed through, so the two-phase protocol is untouched.
@@ -21,16 +24,25 @@ import torch
 
 def decoder(runner: Any) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
     """The decoder layers and the final norm of the runner's model."""
+    from draftflow.capture.decoder_search import DecoderNotFoundError, find_decoder
+
     model = runner.get_model()
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    norm = getattr(inner, "norm", None)
-    if not isinstance(layers, torch.nn.ModuleList) or not isinstance(norm, torch.nn.Module):
+    text_config = model_text_config(runner)
+    expected = getattr(text_config, "num_hidden_layers", None)
+    try:
+        found = find_decoder(model, expected)
+    except DecoderNotFoundError as error:
         raise RuntimeError(
-            f"{type(model).__qualname__}: the hooks backend needs a Llama-shaped decoder "
-            "(model.model.layers and model.model.norm); use extract.backend hf or native"
-        )
-    return layers, norm
+            f"{error}; the hooks backend cannot capture it: use extract.backend hf"
+        ) from None
+    return found.layers, found.norm
+
+
+def model_text_config(runner: Any) -> Any:
+    """The text model's config of the runner's model (the config itself for causal LMs)."""
+    config = getattr(getattr(runner, "model_config", None), "hf_config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
 
 
 def layer_inputs(
@@ -40,6 +52,8 @@ def layer_inputs(
     names = ("positions", "hidden_states", "residual")
     values = list(args[:3]) + [kwargs.get(name) for name in names[len(args[:3]) :]]
     positions, hidden_states, residual = values
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+        positions = positions[0]  # M-RoPE: the text rows are equal
     if not isinstance(positions, torch.Tensor) or not isinstance(hidden_states, torch.Tensor):
         raise RuntimeError(
             "decoder layer not called as layer(positions, hidden_states, residual): "

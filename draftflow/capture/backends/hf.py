@@ -4,6 +4,10 @@ HF ``hidden_states[k]`` (k < L) is the residual stream entering layer k: the aux
 In transformers 5.x ``hidden_states[L]`` is taken *after* the final norm, so the final pre-norm
 state (id L) comes from a pre-hook on the decoder's ``norm``.
 
+The model is loaded as a causal LM, or as an image-text-to-text model for multimodal wrappers
+(``load_target``); the text decoder is found by ``draftflow.capture.decoder_search`` and run on
+its own, text only (the vision tower is never called).
+
 Batching: prompts are sorted by length (longest first) and packed into forwards of at most
 ``max_batch_prompts`` prompts and ``max_batch_tokens`` padded tokens (rows x longest prompt).
 Rows are right-padded with an attention mask and explicit ``position_ids`` 0..T-1, so each
@@ -23,6 +27,7 @@ import os
 import torch
 
 from draftflow.capture.backends import EngineSettings
+from draftflow.capture.decoder_search import find_decoder
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Attention implementations that honour a 2D padding mask on a right-padded batch.
@@ -33,6 +38,27 @@ PADDED_BATCH_ATTENTION = {
     "flash_attention_2",
     "flash_attention_3",
 }
+
+
+def load_target(model_dir: str | os.PathLike[str], dtype: torch.dtype, trust_remote_code: bool):
+    """The target as transformers builds it: a causal LM, else (multimodal wrappers such as
+    Llava, Mistral3, Qwen-VL) an image-text-to-text model; the error names both tried."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    tried = []
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        names = getattr(config, "auto_map", None) or {}
+        if type(config) in auto._model_mapping or auto.__name__ in names:
+            return auto.from_pretrained(
+                str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code
+            )
+        tried.append(auto.__name__)
+    raise RuntimeError(
+        f"{model_dir}: transformers has no model class for {type(config).__name__} "
+        f"(architectures {getattr(config, 'architectures', None)}) in {' or '.join(tried)}; "
+        "the hf backend and the extract job's verification need one"
+    )
 
 
 class HFBackend:
@@ -52,8 +78,6 @@ class HFBackend:
         max_batch_tokens: int | None = None,
         max_batch_prompts: int | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         if settings.hf_dtype not in HF_DTYPES:
             raise ValueError(f"hf dtype {settings.hf_dtype!r}: allowed are {', '.join(HF_DTYPES)}")
         self.layer_ids = list(layer_ids)
@@ -62,19 +86,12 @@ class HFBackend:
             self.max_batch_tokens = max_batch_tokens
         if max_batch_prompts is not None:
             self.max_batch_prompts = max_batch_prompts
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir),
-            dtype=HF_DTYPES[settings.hf_dtype],
-            trust_remote_code=settings.trust_remote_code,
-        )
-        self.decoder = model.get_decoder().to(self.device).eval()
-        del model  # the LM head is not needed
-        norm = getattr(self.decoder, "norm", None)
-        if not isinstance(norm, torch.nn.Module):
-            raise RuntimeError(
-                f"{type(self.decoder).__qualname__} has no final 'norm' module: the hf backend "
-                "cannot take the final pre-norm state of this architecture"
-            )
+        model = load_target(model_dir, HF_DTYPES[settings.hf_dtype], settings.trust_remote_code)
+        text_config = model.config.get_text_config()
+        found = find_decoder(model, getattr(text_config, "num_hidden_layers", None))
+        self.decoder = found.module.to(self.device).eval()
+        norm = found.norm
+        del model  # the LM head (and a wrapper's vision tower) are not needed
         self.num_layers = len(self.decoder.layers)
         if self.layer_ids[-1] != self.num_layers:
             raise ValueError(

@@ -1,0 +1,218 @@
+"""Capture on targets of each model family (tests/families.py: random weights, no hub), on the
+real vLLM CPU build against transformers fp32, with the extract job's verification thresholds.
+
+One engine per family: dense Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA + MoE) and the Kimi-K2.5
+wrapper (its DeepSeek-V3 text model, text only). Llava's vLLM class imports torchvision, which
+the CPU stack does not install: there the test asserts the one clear error a user gets, and the
+GPU lane (tests/gpu/test_gpu_families.py) captures it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftflow.capture.backends import EngineSettings, make_backend
+from draftflow.capture.decoder_search import DecoderNotFoundError, find_decoder
+from draftflow.capture.extract import VerifySettings
+from draftflow.capture.layers import capture_layers, default_aux_layers
+from draftflow.capture.verify import cosine_summary, token_cosines
+from draftflow.engine import EngineStartError, is_multimodal_wrapper
+
+# The extract job's verification (extract.verify defaults): what a shard must pass.
+THRESHOLDS = VerifySettings()
+LENGTHS = [7, 300, 40, 130, 64]
+# Chunked prefill (prompts longer than 128 tokens) and more prompts than sequences.
+ENGINE = EngineSettings(
+    max_model_len=320, max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory_bytes=32 << 20
+)
+CPU_FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25"]
+VLLM_CLASSES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+}
+
+
+def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_verifies(captured, reference, layer_ids) -> dict:
+    """The extract job's check: per layer, mean and 1st-percentile token cosine."""
+    assert [c.shape for c in captured] == [r.shape for r in reference]
+    cosines = torch.cat([token_cosines(c, r) for c, r in zip(captured, reference, strict=True)])
+    summary = cosine_summary(cosines, layer_ids)
+    for layer, values in summary.items():
+        assert values["mean"] >= THRESHOLDS.min_mean_cosine, (layer, values)
+        assert values["p01"] >= THRESHOLDS.min_p01_cosine, (layer, values)
+    return summary
+
+
+def test_family_targets_are_what_they_claim(family_targets):
+    """Architecture names vLLM registers, aux layers from the text config (wrappers nest it)."""
+    import json
+
+    for family, vllm_class in VLLM_CLASSES.items():
+        target = family_targets(family)
+        config = json.loads((target / "config.json").read_text())
+        assert config["architectures"] == [vllm_class]
+        layers = capture_layers(target)
+        assert layers.aux_layer_ids == default_aux_layers(8) == [2, 4, 5]
+        assert layers.hidden_size == 128
+        assert is_multimodal_wrapper(target) == (family in ("kimi_k25", "llava"))
+    deepseek = json.loads((family_targets("deepseek_v3") / "config.json").read_text())
+    assert deepseek["kv_lora_rank"] + deepseek["qk_rope_head_dim"] == 576
+    assert deepseek["topk_method"] == "noaux_tc"
+
+
+@pytest.mark.parametrize("family", list(VLLM_CLASSES))
+def test_hf_backend_finds_the_text_decoder(family, family_targets):
+    """transformers: the decoder of a causal LM and of a wrapper's language model."""
+    target = family_targets(family)
+    layers = capture_layers(target)
+    backend = make_backend("hf", target, layers.layer_ids, EngineSettings(64))
+    try:
+        (states,) = backend.capture(make_prompts([20], seed=1))
+        assert states.shape == (20, 4, 128)
+        assert backend.num_layers == 8
+    finally:
+        backend.close()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(count))
+        self.norm = torch.nn.LayerNorm(4)
+
+
+class _Wrapper(torch.nn.Module):
+    """A wrapper nesting its text model where no known path looks, beside a vision encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = _Block(2)
+        self.text_stack = torch.nn.Module()
+        self.text_stack.decoder = _Block(3)
+
+
+def test_decoder_search_falls_back_to_structure_and_names_what_it_tried():
+    found = find_decoder(_Wrapper(), num_layers=3)
+    assert found.path == "text_stack.decoder" and found.num_layers == 3
+    with pytest.raises(DecoderNotFoundError, match=r"several: vision \(2 layers\)"):
+        find_decoder(_Wrapper())
+    empty = torch.nn.Module()
+    empty.model = torch.nn.Linear(2, 2)
+    with pytest.raises(DecoderNotFoundError) as raised:
+        find_decoder(empty)
+    message = str(raised.value)
+    assert message.startswith("Module: no text decoder found")
+    assert "model: Linear" in message and "language_model.model" in message
+    with pytest.raises(DecoderNotFoundError, match=r"has 3 layers, the text config says 61"):
+        find_decoder(_Block(3), num_layers=61)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+def test_hooks_capture_matches_hf(family, family_targets):
+    target = family_targets(family)
+    layer_ids = capture_layers(target).layer_ids
+    prompts = make_prompts(LENGTHS, seed=0)
+    backend = make_backend("hooks", target, layer_ids, ENGINE)
+    try:
+        captured = backend.capture(prompts)
+        stats = backend.last_stats
+    finally:
+        backend.close()
+    assert stats["max_forwards_per_request"] > 1, "no prompt was prefilled in chunks"
+    reference = make_backend("hf", target, layer_ids, EngineSettings(ENGINE.max_model_len))
+    try:
+        summary = assert_verifies(captured, reference.capture(prompts), layer_ids)
+    finally:
+        reference.close()
+    print(family, "hooks vs hf fp32:", summary)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+def test_native_capture_matches_hf(family, family_targets):
+    """vLLM's extractor (the CPU-safe connector) on each class that hands out aux states."""
+    target = family_targets(family)
+    layer_ids = capture_layers(target).layer_ids
+    prompts = make_prompts(LENGTHS, seed=4)
+    backend = make_backend("native", target, layer_ids, ENGINE)
+    try:
+        captured = backend.capture(prompts)
+    finally:
+        backend.close()
+    reference = make_backend("hf", target, layer_ids, EngineSettings(ENGINE.max_model_len))
+    try:
+        summary = assert_verifies(captured, reference.capture(prompts), layer_ids)
+    finally:
+        reference.close()
+    print(family, "native vs hf fp32:", summary)
+
+
+@pytest.mark.vllm
+def test_llava_on_the_cpu_build_fails_with_one_clear_error(family_targets):
+    """vLLM's Llava (like its other vision wrappers but Kimi-K2.5) imports torchvision."""
+    target = family_targets("llava")
+    with pytest.raises(EngineStartError) as raised:
+        make_backend("hooks", target, capture_layers(target).layer_ids, ENGINE)
+    message = str(raised.value).split(" (the engine's log")[0]
+    print(message)
+    assert "LlavaForConditionalGeneration" in message
+    assert "CPU build" in message
+    assert "torchvision" in message
+    assert "extract.backend hf" in message
+
+
+def test_kimi_k25_example_validates_against_the_schema(repo_root):
+    """config/examples/kimi-k2.5-8gpu.yaml as Snakemake reads it (merged over the default)."""
+    import yaml
+    from snakemake.utils import update_config, validate
+
+    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    example = yaml.safe_load((repo_root / "config/examples/kimi-k2.5-8gpu.yaml").read_text())
+    update_config(config, example)
+    validate(config, str(repo_root / "config" / "schema.yaml"))
+    assert config["target"]["trust_remote_code"] is True  # its tiktoken tokenizer is remote code
+    extract = config["extract"]
+    assert extract["use_gpu"] and extract["tp_size"] == 8 == config["resources"]["train_gpus"]
+    # Kimi-K2.5's text model has 61 layers: the ids are vLLM's EAGLE-3 default for it.
+    assert extract["aux_layers"] == default_aux_layers(61)
+
+
+def test_start_errors_of_unsupported_classes_say_what_to_do():
+    """vLLM's own words for a class without EAGLE-3 support, and a missing torchvision."""
+    from draftflow.engine import start_hint
+
+    eagle3 = start_hint(
+        "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs "
+        "was requested"
+    )
+    assert "SupportsEagle3" in eagle3 and "extract.backend hooks or hf" in eagle3
+    assert "cannot benchmark" in eagle3
+    vision = start_hint("ModuleNotFoundError: No module named 'torchvision'")
+    assert "torchvision" in vision and "extract.backend hf" in vision
+    processor = start_hint("OSError: Can't load image processor for 'resources/target'.")
+    assert "preprocessor_config.json" in processor and "bench" in processor
+    assert start_hint("ValueError: something else") == ""
+
+
+def test_a_checkpoint_transformers_cannot_run_as_text_is_named(tmp_path):
+    from transformers import CLIPVisionConfig
+
+    from draftflow.capture.backends.hf import load_target
+
+    vision = CLIPVisionConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1)
+    vision.save_pretrained(str(tmp_path))
+    with pytest.raises(RuntimeError) as raised:
+        load_target(tmp_path, torch.float32, trust_remote_code=False)
+    message = str(raised.value)
+    assert "CLIPVisionConfig" in message
+    assert "AutoModelForCausalLM or AutoModelForImageTextToText" in message

@@ -176,3 +176,73 @@ def test_collate_dequantizes_on_the_host_and_on_the_device_alike(tmp_path):
             cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
             assert cosine[used].min() > 0.995
             assert torch.equal(got[~used], want[~used])  # padding stays zero
+
+
+@pytest.mark.vllm
+def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_dir):
+    """One real vLLM engine captures a shard into both store dtypes; the fp8 store verifies
+    (dequantized) against transformers fp32, takes about half the bytes and matches the plan."""
+    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.extract import ExtractSettings, VerifySettings, run_extract
+    from draftflow.capture.layers import capture_layers
+    from draftflow.capture.plan import plan_store
+    from draftflow.data.samples import samples_table, write_samples
+
+    generator = torch.Generator().manual_seed(4)
+    lengths = [120, 7, 300, 45, 64]
+    prompts = [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in lengths]
+    shard = tmp_path / "shard-00000.parquet"
+    write_samples(
+        shard, samples_table([f"c{i}" for i in range(5)], prompts, [[1] * n for n in lengths])
+    )
+    layers = capture_layers(smollm2_dir)
+    backend = make_backend(
+        "hooks",
+        smollm2_dir,
+        layers.layer_ids,
+        EngineSettings(
+            max_model_len=301,
+            max_num_batched_tokens=256,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=33_554_432,
+        ),
+    )
+    stores = {}
+    try:
+        for dtype in ("bfloat16", "float8_e4m3fn"):
+            settings = ExtractSettings(
+                backend="hooks",
+                chunk_samples=2,
+                store_dtype=dtype,
+                verify=VerifySettings(fraction=1.0, min_mean_cosine=0.995, min_p01_cosine=0.95),
+            )
+            out = tmp_path / dtype / "shard-00000"
+            stores[dtype] = (run_extract(shard, smollm2_dir, out, settings, backend=backend), out)
+    finally:
+        backend.close()
+    bf16_manifest, bf16_dir = stores["bfloat16"]
+    fp8_manifest, fp8_dir = stores["float8_e4m3fn"]
+    assert fp8_manifest["dtype"] == "float8_e4m3fn" and fp8_manifest["scales"]
+    verification = fp8_manifest["verification"]
+    assert verification["passed"] and verification["store_dtype"] == "float8_e4m3fn"
+    for layer, stats in verification["per_layer"].items():
+        # fp8's 3 mantissa bits cost a little cosine against bf16, never the threshold.
+        assert stats["mean"] > 0.998, layer
+        assert stats["mean"] <= bf16_manifest["verification"]["per_layer"][layer]["mean"] + 1e-4
+    # The fp8 store is the bf16 capture quantized: same engine, same states.
+    bf16_reader, fp8_reader = ShardReader(bf16_dir), ShardReader(fp8_dir)
+    for i in range(len(lengths)):
+        quantized, scales = quantize_fp8(bf16_reader.get(i)["hidden_states"])
+        assert torch.equal(fp8_reader.get(i)["hidden_scales"], scales)
+        assert torch.equal(
+            fp8_reader.get(i)["hidden_states"].view(torch.uint8), quantized.view(torch.uint8)
+        )
+
+    def chunk_bytes(directory: Path) -> int:
+        return sum(p.stat().st_size for p in directory.glob("chunk-*.safetensors"))
+
+    tokens = sum(lengths)
+    for dtype, (_, out) in stores.items():
+        tensors, overhead = plan_store(tokens, len(lengths), layers, dtype, 2)
+        assert tensors < chunk_bytes(out) <= tensors + overhead
+    assert chunk_bytes(fp8_dir) / chunk_bytes(bf16_dir) < 0.51

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import time
@@ -296,10 +297,18 @@ def phase_bench(args: argparse.Namespace) -> dict:
 def phase_report(args: argparse.Namespace) -> dict:
     from draftflow.io import atomic_write_json, read_json
 
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "cpu",
+    )
     report = {
         "command": "bench/store_dtype_cost.py (docs/benchmarks.md, 'fp8 capture store')",
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"{platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "notes": args.notes,
         "extract": read_json(args.out / "extract.json"),
         "train": {d: read_json(args.out / f"train-{d}.json") for d in DTYPES},
         "bench": {
@@ -323,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--passes", type=int, default=1, choices=[1, 2], help="extract passes")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("docs/results/store_dtype_cost.json"))
+    parser.add_argument("--notes", default="", help="report: what was run, in words")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

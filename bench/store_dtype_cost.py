@@ -294,8 +294,16 @@ def phase_bench(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "k": args.k, "dataset": name, "runs": result["runs"]}
 
 
+def _without_responses(result: dict) -> dict:
+    # The answers' texts and token ids are for the lossless check, not for the figures.
+    runs = [{k: v for k, v in run.items() if k != "responses"} for run in result["runs"]]
+    return {**result, "runs": runs}
+
+
 def phase_report(args: argparse.Namespace) -> dict:
     from draftflow.io import atomic_write_json, read_json
+
+    benched = [d for d in DTYPES if (args.out / f"bench-{d}.json").exists()]
 
     cpu = next(
         (
@@ -311,11 +319,7 @@ def phase_report(args: argparse.Namespace) -> dict:
         "notes": args.notes,
         "extract": read_json(args.out / "extract.json"),
         "train": {d: read_json(args.out / f"train-{d}.json") for d in DTYPES},
-        "bench": {
-            d: read_json(args.out / f"bench-{d}.json")
-            for d in DTYPES
-            if (args.out / f"bench-{d}.json").exists()
-        },
+        "bench": {d: _without_responses(read_json(args.out / f"bench-{d}.json")) for d in benched},
     }
     atomic_write_json(args.json, report)
     return report

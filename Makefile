@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.draftflow-installed
 CORES ?= all
 
-.PHONY: demo test test-vllm016 test-gpu gpu-wheelhouse lint format report clean-results venv
+.PHONY: demo plan test test-vllm016 test-gpu gpu-wheelhouse lint format report clean-results venv
 
 venv: $(STAMP)
 
@@ -64,6 +64,12 @@ format: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q --durations=25 tests
+
+# The disk plan of the extract stage (bytes per shard against the free space), before capture:
+# runs the stages up to the shards if needed, then prints results/extract/plan.json.
+plan: $(STAMP)
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --forcerun plan_extract results/extract/plan.json
+	$(BIN)/python -m draftflow.capture.plan results/extract/plan.json
 
 report: $(STAMP)
 	$(BIN)/snakemake --report results/report.html

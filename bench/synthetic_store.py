@@ -23,6 +23,7 @@ def write_synthetic_store(
     dtype: torch.dtype = torch.float32,
     chunk_samples: int | None = None,
     seed: int = 0,
+    store_dtype: str = "bfloat16",
 ) -> dict[str, list[str]]:
     """``root/{train,val}/shard-00000`` and ``root/vocab.safetensors``; returns the shard dirs."""
     from safetensors.torch import save_file
@@ -45,6 +46,7 @@ def write_synthetic_store(
             aux_layer_ids=layers.aux_layer_ids,
             hidden_size=layers.hidden_size,
             meta={"backend": "synthetic"},
+            store_dtype=store_dtype,
             **extra,
         )
         for n in range(count):

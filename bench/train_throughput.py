@@ -7,7 +7,7 @@ steps. Reports the median tokens/s of the timed steps (the first ``--warmup`` st
 Usage (results go to docs/benchmarks.md, section "Training", with the machine named)::
 
     .venv/bin/python bench/train_throughput.py --target .test-cache/smollm2 \\
-        --tokens-per-batch 2048 --steps 8 --threads 1
+        --tokens-per-batch 2048 --steps 8 --threads 1 [--store-dtype float8_e4m3fn]
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--gpus", type=int, default=0, help="> 1: data parallel under torchrun")
+    parser.add_argument(
+        "--store-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float8_e4m3fn"],
+        help="capture store dtype (fp8 is dequantized where the batch is built)",
+    )
     args = parser.parse_args(argv)
 
     from draftflow.train.cli import launch
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             val_samples=2,
             length=args.sample_length,
             draft_vocab=args.draft_vocab,
+            store_dtype=args.store_dtype,
         )
         settings = TrainSettings(
             num_layers=args.num_layers,
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "gpus": args.gpus,
         "threads": args.threads,
         "precision": args.precision,
+        "store_dtype": args.store_dtype,
         "tokens_per_batch": args.tokens_per_batch,
         "draft_vocab": args.draft_vocab,
         "num_layers": args.num_layers,

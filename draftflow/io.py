@@ -100,6 +100,7 @@ _SAFETENSORS_DTYPES = {
     "torch.int8": ("I8", 1),
     "torch.uint8": ("U8", 1),
     "torch.bool": ("BOOL", 1),
+    "torch.float8_e4m3fn": ("F8_E4M3", 1),
 }
 
 

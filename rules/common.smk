@@ -60,6 +60,11 @@ def shard_parquets(split):
     return [str(RESULTS / "shard" / split / f"{name}.parquet") for name in shard_names(split)]
 
 
+def shard_manifest():
+    """Samples and tokens of every shard (the shard rule writes it with the shards)."""
+    return str(RESULTS / "shard" / "manifest.json")
+
+
 def extract_dirs(split):
     return [str(RESULTS / "extract" / split / name) for name in shard_names(split)]
 

@@ -4,8 +4,12 @@
 if __name__ == "__main__":
     import os
     import sys
+    from pathlib import Path
 
     from draftflow.capture.extract import ExtractSettings, run_extract
+    from draftflow.capture.layers import capture_layers
+    from draftflow.capture.plan import format_plan, plan_extract
+    from draftflow.io import read_json
     from draftflow.workflow.gpu import gpu_lease
     from draftflow.workflow.script import setup_logging, target_dir
 
@@ -20,6 +24,17 @@ if __name__ == "__main__":
         snakemake.params.extract,
         trust_remote_code=snakemake.params.trust_remote_code,
     )
+    # Every extract job logs the plan of all of them (the first job to run shows it first).
+    output = Path(snakemake.output[0])
+    plan = plan_extract(
+        read_json(snakemake.input.shard_manifest),
+        capture_layers(target_dir(snakemake), settings.aux_layers),
+        settings.store_dtype,
+        settings.chunk_samples,
+        output.parents[2],  # results/extract/{split}/{shard}
+        settings.disk_margin_mb << 20,
+    )
+    log.info("%s", format_plan(plan))
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
         manifest = run_extract(
             snakemake.input.shard,

@@ -29,6 +29,8 @@ from draftflow.capture.backends import (
     resolve_backend,
 )
 from draftflow.capture.layers import capture_layers
+from draftflow.capture.plan import check_free_space, plan_store
+from draftflow.capture.quant import BF16
 from draftflow.capture.store import ShardWriter, update_manifest
 from draftflow.capture.verify import CaptureVerificationError, verify_shard
 from draftflow.data.samples import read_samples
@@ -62,6 +64,9 @@ class ExtractSettings:
     model_runner: str = "default"
     engine_args: dict = field(default_factory=dict)
     chunk_samples: int = 64
+    store_dtype: str = BF16
+    # Free space kept beyond what the store will write (docs/capture.md, "Disk plan").
+    disk_margin_mb: int = 1024
     hf_dtype: str = "bfloat16"
     device: str = "cpu"
     trust_remote_code: bool = False
@@ -81,6 +86,8 @@ class ExtractSettings:
             "model_runner",
             "engine_args",
             "chunk_samples",
+            "store_dtype",
+            "disk_margin_mb",
             "hf_dtype",
         }
         values = {key: section[key] for key in known if section.get(key) is not None}
@@ -159,8 +166,28 @@ def run_extract(
         hidden_size=layers.hidden_size,
         meta=meta,
         chunk_samples=settings.chunk_samples,
+        store_dtype=settings.store_dtype,
     )
     start = writer.resume_position(ids)
+    # The chunks kept from a killed run are on disk already: only the rest is still to write.
+    tensor_bytes, overhead = plan_store(
+        sum(len(x) for x in input_ids[start:]),
+        len(ids) - start,
+        layers,
+        settings.store_dtype,
+        settings.chunk_samples,
+    )
+    free = check_free_space(
+        work, tensor_bytes + overhead, settings.disk_margin_mb << 20, f"extract {shard_path}"
+    )
+    log.info(
+        "extract %s: will write %d bytes (%d of tensors, %s store), %d bytes free",
+        shard_path,
+        tensor_bytes + overhead,
+        tensor_bytes,
+        settings.store_dtype,
+        free,
+    )
     log.info(
         "extract %s: %d samples, %d tokens, layers %s, backend %s; %d already captured",
         shard_path,

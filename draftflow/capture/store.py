@@ -2,8 +2,10 @@
 
 Layout of a shard directory:
 
-- ``chunk-NNNNN.safetensors``: ``hidden_states`` bf16 ``[T, L, H]``, ``input_ids`` int32 ``[T]``,
-  ``loss_mask`` int8 ``[T]``; T = the tokens of the chunk's samples concatenated in sample order.
+- ``chunk-NNNNN.safetensors``: ``hidden_states`` ``[T, L, H]`` in the store dtype (bf16, or fp8
+  e4m3 with ``hidden_scales`` float32 ``[T, L]`` beside it: ``draftflow/capture/quant.py``),
+  ``input_ids`` int32 ``[T]``, ``loss_mask`` int8 ``[T]``; T = the tokens of the chunk's samples
+  concatenated in sample order.
   The chunk's safetensors metadata (one key, ``draftflow``, a JSON string) lists its samples and
   rows, so a restarted job can rebuild the index from the chunks alone.
 - ``index.json``: ``{"samples": [{"id", "chunk", "start", "end"}, ...]}``.
@@ -30,6 +32,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from draftflow.capture.quant import (
+    BF16,
+    SCALE_DTYPE,
+    dequantize,
+    is_scaled,
+    quantize_fp8,
+    torch_dtype,
+)
 from draftflow.io import (
     atomic_path,
     atomic_write_json,
@@ -41,7 +51,7 @@ from draftflow.io import (
 log = logging.getLogger(__name__)
 
 CHUNK_FORMAT = "draftflow-capture-chunk/1"
-STORE_DTYPE = torch.bfloat16
+SCALES_NAME = "hidden_scales"
 INDEX_NAME = "index.json"
 MANIFEST_NAME = "manifest.json"
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.safetensors$")
@@ -78,6 +88,7 @@ class ShardWriter:
         meta: dict,
         chunk_samples: int = 64,
         write_threads: int = 2,
+        store_dtype: str = BF16,
     ) -> None:
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
@@ -93,12 +104,15 @@ class ShardWriter:
         self.hidden_size = int(hidden_size)
         self.meta = dict(meta)
         self.chunk_samples = int(chunk_samples)
+        torch_dtype(store_dtype)  # an unknown dtype fails here, before any chunk is kept
+        self.store_dtype = store_dtype
         self._identity = {
             "format": CHUNK_FORMAT,
             "layer_ids": self.layer_ids,
             "hidden_size": self.hidden_size,
             "chunk_samples": self.chunk_samples,
             "meta": _canonical_json(self.meta),
+            "store_dtype": self.store_dtype,
         }
         # Per written chunk: its sample entries [(id, start, end)], in chunk order.
         self._chunks: list[list[tuple[str, int, int]]] = []
@@ -185,7 +199,7 @@ class ShardWriter:
         loss_mask: torch.Tensor,
         hidden_states: torch.Tensor,
     ) -> None:
-        """Buffer one sample (int32 [T], int8 [T], bf16 [T, L, H]); write a chunk when full."""
+        """Buffer one sample (int32 [T], int8 [T], float [T, L, H]); write a chunk when full."""
         if self._closed:
             raise RuntimeError("ShardWriter.add() after close()")
         if sample_id in self._seen:
@@ -210,7 +224,11 @@ class ShardWriter:
                 sample_id,
                 input_ids.to(torch.int32).cpu(),
                 loss_mask.to(torch.int8).cpu(),
-                hidden_states.detach().to(STORE_DTYPE).cpu(),
+                # bf16 stores keep the captured tensor (usually a memory map, no copy); fp8
+                # stores quantize on the chunk's writer thread, off the capture's path.
+                hidden_states.detach().cpu()
+                if is_scaled(self.store_dtype)
+                else hidden_states.detach().to(torch.bfloat16).cpu(),
             )
         )
         if len(self._buffer) == self.chunk_samples:
@@ -237,7 +255,8 @@ class ShardWriter:
         final = self.out_dir / chunk_name(len(self._chunks))
         # One metadata key only: safetensors writes a metadata map in hash order.
         metadata = {"draftflow": _canonical_json(header)}
-        self._pending.append((final.name, self._pool.submit(_write_chunk, final, pieces, metadata)))
+        write = self._pool.submit(_write_chunk, final, pieces, metadata, self.store_dtype)
+        self._pending.append((final.name, write))
         self._chunks.append(entries)
         self._buffer = []
         while len(self._pending) >= self._max_pending:
@@ -290,7 +309,8 @@ class ShardWriter:
             "layer_ids": self.layer_ids,
             "aux_layer_ids": self.aux_layer_ids,
             "hidden_size": self.hidden_size,
-            "dtype": "bfloat16",
+            "dtype": self.store_dtype,
+            **({"scales": scales_description()} if is_scaled(self.store_dtype) else {}),
             "files": files,
             "complete": True,
         }
@@ -298,7 +318,28 @@ class ShardWriter:
         return manifest
 
 
-def _write_chunk(final: Path, pieces: dict[str, list[torch.Tensor]], metadata: dict) -> str:
+def scales_description() -> dict:
+    """What an fp8 manifest says about its scales (they live in every chunk)."""
+    return {
+        "tensor": SCALES_NAME,
+        "dtype": str(SCALE_DTYPE).removeprefix("torch."),
+        "shape": "[T, L]",
+        "per": "token and layer",
+        "value": "amax of the row / 448 (e4m3's largest finite value): no value saturates",
+        "dequantize": "hidden_states.float() * hidden_scales[..., None]",
+    }
+
+
+def _write_chunk(
+    final: Path, pieces: dict[str, list[torch.Tensor]], metadata: dict, store_dtype: str
+) -> str:
+    if is_scaled(store_dtype):
+        quantized = [quantize_fp8(states) for states in pieces["hidden_states"]]
+        pieces = {
+            **pieces,
+            "hidden_states": [states for states, _ in quantized],
+            SCALES_NAME: [scales for _, scales in quantized],
+        }
     with atomic_path(final) as tmp:
         return write_safetensors(tmp, pieces, metadata)
 
@@ -333,6 +374,7 @@ class ShardReader:
         self.sample_ids: list[str] = [entry["id"] for entry in index]
         self.num_tokens: list[int] = [entry["end"] - entry["start"] for entry in index]
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
+        self.store_dtype: str = self.manifest.get("dtype", BF16)
         self._handles: dict[str, Any] = {}
 
     def verify(self) -> None:
@@ -357,14 +399,20 @@ class ShardReader:
         return self._handles[name]
 
     def get(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample i: ``input_ids`` int32 [T], ``loss_mask`` int8 [T], ``hidden_states`` bf16 [T, L, H]."""
+        """Sample i as stored: ``input_ids`` int32 [T], ``loss_mask`` int8 [T], ``hidden_states``
+        [T, L, H] in the store dtype and, in fp8 stores, ``hidden_scales`` float32 [T, L]."""
         entry = self._index[i]
         handle = self._handle(entry["chunk"])
         rows = slice(entry["start"], entry["end"])
-        return {
-            name: handle.get_slice(name)[rows]
-            for name in ("input_ids", "loss_mask", "hidden_states")
-        }
+        names = ["input_ids", "loss_mask", "hidden_states"]
+        if is_scaled(self.store_dtype):
+            names.append(SCALES_NAME)
+        return {name: handle.get_slice(name)[rows] for name in names}
+
+    def hidden_states(self, i: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Sample i's states ``[T, L, H]`` in ``dtype``, dequantized where the store is fp8."""
+        sample = self.get(i)
+        return dequantize(sample["hidden_states"], sample.get(SCALES_NAME), dtype)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

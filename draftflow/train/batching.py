@@ -7,14 +7,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from draftflow.train.data import ShardSet, TrainPlan, collate
+from draftflow.train.data import ShardSet, TrainPlan, collate, dequantize_batch
 from draftflow.train.distributed import Placement, uses_bf16
 from draftflow.train.settings import TrainSettings
 
 
 def hidden_dtype(placement: Placement, precision: str = "auto") -> torch.dtype:
-    # The store holds bf16; a model trained in fp32 gets fp32 inputs.
+    # The store holds bf16 (or fp8, dequantized to this); a model trained in fp32 gets fp32 inputs.
     return torch.bfloat16 if uses_bf16(placement.device, precision) else torch.float32
+
+
+def dequantize_on_host(placement: Placement) -> bool:
+    # fp8 batches cross to a GPU as fp8 plus scales (half the bytes) and are dequantized there.
+    return placement.device.type != "cuda"
 
 
 def pad_batches(placement: Placement) -> bool:
@@ -45,6 +50,7 @@ def train_batches(
             hidden_dtype(placement, settings.precision),
             pad=pad_batches(placement),
             pin=placement.device.type == "cuda",
+            dequantize_states=dequantize_on_host(placement),
         )
 
     if placement.device.type != "cuda":
@@ -57,6 +63,7 @@ def train_batches(
         pinned = {k: v if v.is_pinned() else v.pin_memory() for k, v in make(step).items()}
         with torch.cuda.stream(copy_stream):
             batch = {k: v.to(placement.device, non_blocking=True) for k, v in pinned.items()}
+            batch = dequantize_batch(batch, hidden_dtype(placement, settings.precision))
             ready = torch.cuda.Event()
             ready.record(copy_stream)
         return batch, ready
@@ -74,5 +81,9 @@ def train_batches(
             yield batch
 
 
-def to_device(batch: dict[str, torch.Tensor], placement: Placement) -> dict[str, torch.Tensor]:
-    return {k: v.to(placement.device, non_blocking=True) for k, v in batch.items()}
+def to_device(
+    batch: dict[str, torch.Tensor], placement: Placement, precision: str = "auto"
+) -> dict[str, torch.Tensor]:
+    """Copy a batch to the device; fp8 states kept by ``collate`` are dequantized there."""
+    moved = {k: v.to(placement.device, non_blocking=True) for k, v in batch.items()}
+    return dequantize_batch(moved, hidden_dtype(placement, precision))

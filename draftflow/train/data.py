@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftflow.capture.store import ShardReader
+from draftflow.capture.quant import dequantize
+from draftflow.capture.store import SCALES_NAME, ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ def collate(
     hidden_dtype: torch.dtype,
     pad: bool = False,
     pin: bool = False,
+    dequantize_states: bool = True,
 ) -> dict[str, torch.Tensor]:
     """One packed sequence ``[1, T, ...]`` in the layout ``Eagle3DraftModel.forward`` expects.
 
@@ -179,6 +181,10 @@ def collate(
     -1, no loss): compiled GPU kernels then see one shape instead of recompiling per batch.
     ``pin`` allocates the hidden states in page-locked memory for an asynchronous GPU copy.
 
+    fp8 stores are dequantized into the batch here, unless ``dequantize_states`` is false: then
+    the batch keeps the fp8 states plus their scales (``*_scales``, half the bytes to copy to a
+    GPU) and ``dequantize_batch`` turns it into the model's layout on the device.
+
     Hidden states (hundreds of MB a step for an 8B-shaped target) are copied once, from the
     store's rows straight into the batch: gathering, concatenating, padding and pinning as
     separate steps made four more copies and starved two GPUs (docs/benchmarks.md).
@@ -187,9 +193,15 @@ def collate(
 
     parts: list[dict[str, torch.Tensor]] = []
     used = 0
+    scaled: bool | None = None
     for ref in refs:
         raw = shards.read(ref)
         states = raw["hidden_states"]
+        scales = raw.get(SCALES_NAME)
+        if scaled is None:
+            scaled = scales is not None
+        elif scaled != (scales is not None):
+            raise ValueError("a batch mixes fp8 and bf16 shards: extract them with one store_dtype")
         length = int(states.shape[0])
         # Views only: the layer selection happens in the copy below.
         sample = shift_batch(
@@ -205,24 +217,41 @@ def collate(
         keep = min(int(sample["lengths"][0]), tokens_per_batch - used)
         if keep <= 0:
             break
+        if scales is not None:
+            # The same shift as the states: token t's aux states, token t+1's final state.
+            sample["hidden_scales"] = scales[:-1]
+            sample["verifier_last_scales"] = scales[1:]
         parts.append({k: v[:keep] for k, v in sample.items() if k != "lengths"})
         used += keep
     total = tokens_per_batch if pad else used
     aux, final = shards.aux_positions, shards.final_position
     width = int(parts[0]["hidden_states"].shape[-1])
-    hidden = torch.empty((1, total, len(aux) * width), dtype=hidden_dtype, pin_memory=pin)
-    last = torch.empty((1, total, width), dtype=hidden_dtype, pin_memory=pin)
+    keep_fp8 = bool(scaled) and not dequantize_states
+    dtype = parts[0]["hidden_states"].dtype if keep_fp8 else hidden_dtype
+    hidden = torch.empty((1, total, len(aux) * width), dtype=dtype, pin_memory=pin)
+    last = torch.empty((1, total, width), dtype=dtype, pin_memory=pin)
+    if keep_fp8:
+        hidden_scales = torch.zeros((1, total, len(aux)), dtype=torch.float32, pin_memory=pin)
+        last_scales = torch.zeros((1, total), dtype=torch.float32, pin_memory=pin)
     offset = 0
     for part in parts:
         rows = slice(offset, offset + part["input_ids"].shape[0])
         for slot, layer in enumerate(aux):
-            hidden[0, rows, slot * width : (slot + 1) * width].copy_(
-                part["hidden_states"][:, layer]
-            )
-        last[0, rows].copy_(part["verifier_last_hidden_states"][:, final])
+            states = part["hidden_states"][:, layer]
+            if scaled and not keep_fp8:
+                states = dequantize(states, part["hidden_scales"][:, layer], hidden_dtype)
+            hidden[0, rows, slot * width : (slot + 1) * width].copy_(states)
+        states = part["verifier_last_hidden_states"][:, final]
+        if scaled and not keep_fp8:
+            states = dequantize(states, part["verifier_last_scales"][:, final], hidden_dtype)
+        last[0, rows].copy_(states)
+        if keep_fp8:
+            hidden_scales[0, rows].copy_(part["hidden_scales"][:, aux])
+            last_scales[0, rows].copy_(part["verifier_last_scales"][:, final])
         offset = rows.stop
-    hidden[0, used:].zero_()
-    last[0, used:].zero_()
+    # Zero bytes are 0.0 in bf16, fp32 and e4m3 alike.
+    hidden[0, used:].view(torch.uint8).zero_()
+    last[0, used:].view(torch.uint8).zero_()
     small = ("input_ids", "loss_mask", "position_ids")
     batch = {key: torch.cat([p[key] for p in parts]).unsqueeze(0) for key in small}
     batch["document_ids"] = torch.cat(
@@ -235,4 +264,28 @@ def collate(
             batch[key] = torch.cat([value, filler], dim=1)
     batch["hidden_states"] = hidden
     batch["verifier_last_hidden_states"] = last
+    if keep_fp8:
+        batch["hidden_scales"] = hidden_scales
+        batch["verifier_last_scales"] = last_scales
+    return batch
+
+
+def dequantize_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A batch from ``collate(dequantize_states=False)`` in the model's layout, on its device.
+
+    Batches without scales (bf16 stores, or already dequantized) are returned as they are.
+    """
+    if "hidden_scales" not in batch:
+        return batch
+    batch = dict(batch)
+    hidden_scales = batch.pop("hidden_scales")
+    last_scales = batch.pop("verifier_last_scales")
+    hidden = batch["hidden_states"]
+    num_aux = int(hidden_scales.shape[-1])
+    # [1, T, A * H] → [1, T, A, H]: one scale per token and aux layer.
+    per_layer = hidden.view(*hidden.shape[:-1], num_aux, hidden.shape[-1] // num_aux)
+    batch["hidden_states"] = dequantize(per_layer, hidden_scales, dtype).flatten(-2)
+    batch["verifier_last_hidden_states"] = dequantize(
+        batch["verifier_last_hidden_states"], last_scales, dtype
+    )
     return batch

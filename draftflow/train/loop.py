@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from draftflow.train.batching import hidden_dtype, pad_batches, to_device, train_batches
+from draftflow.train.batching import (
+    dequantize_on_host,
+    hidden_dtype,
+    pad_batches,
+    to_device,
+    train_batches,
+)
 from draftflow.train.checkpoint import resume, save_checkpoint, shard_digest
 from draftflow.train.data import ShardSet, TrainPlan, collate, val_batches
 from draftflow.train.distributed import Placement, autocast, init_placement, reduce_sum
@@ -65,9 +71,10 @@ def evaluate(model, shards: ShardSet, job: TrainJob, placement: Placement, call_
             settings.tokens_per_batch,
             hidden_dtype(placement, settings.precision),
             pad_batches(placement),
+            dequantize_states=dequantize_on_host(placement),
         )
         with autocast(placement.device, settings.precision):
-            _, _, metrics = model(**to_device(batch, placement), **call_kwargs)
+            _, _, metrics = model(**to_device(batch, placement, settings.precision), **call_kwargs)
         sums += torch.stack([metrics[key].detach().reshape(()).double() for key in keys])
     totals = dict(zip(keys, sums.tolist(), strict=True))
     model.train()

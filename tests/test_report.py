@@ -153,15 +153,17 @@ def unit_rows(dataset, k, seconds, drafts=0, accepted=0):
     ]
 
 
-def paired_units(speedups: dict[int, float], noise: float, seed: int = 0) -> pd.DataFrame:
+def paired_units(
+    speedups: dict[int, float], noise: float, seed: int = 0, dataset: str = "mtbench"
+) -> pd.DataFrame:
     """Six prompts of different lengths, two rounds: plain times, and each k's times divided by
     its speed-up, every time with ``noise`` (relative) of its own."""
     rng = np.random.default_rng(seed)
     lengths = np.array([[1.0], [2.0], [1.5], [3.0], [0.8], [2.5]])
-    rows = unit_rows("mtbench", 0, lengths * rng.normal(1, noise, (6, 2)))
+    rows = unit_rows(dataset, 0, lengths * rng.normal(1, noise, (6, 2)))
     for k, speedup in speedups.items():
         seconds = lengths / speedup * rng.normal(1, noise, (6, 2))
-        rows += unit_rows("mtbench", k, seconds, drafts=60, accepted=30)
+        rows += unit_rows(dataset, k, seconds, drafts=60, accepted=30)
     frame = pd.DataFrame(rows)
     assert list(frame.columns) == UNIT_COLUMNS
     return frame
@@ -424,6 +426,9 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     for dataset in ("mtbench", "humaneval"):
         table = pd.read_csv(bench_csv).assign(dataset=dataset)
         table.to_csv(work / "results" / "bench" / f"{dataset}.csv", index=False)
+        (work / "results" / "bench" / dataset).mkdir()
+        units = paired_units({1: 1.2, 3: 1.5}, noise=0.02, dataset=dataset)
+        units.to_csv(work / "results" / "bench" / dataset / "units.csv", index=False)
     (work / "resources").mkdir()
     shutil.copytree(run_dirs["target"], work / "resources" / "target")
     shutil.copytree(run_dirs["draft"], work / "results" / "train" / "draft")
@@ -456,6 +461,7 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     assert run.returncode == 0, run.stderr[-3000:]
     summary = pd.read_csv(work / "results" / "summary.csv")
     assert sorted(summary["dataset"].unique()) == ["humaneval", "mtbench"]
+    assert summary["speedup_low"].notna().all() and summary["speedup_high"].notna().all()
     expected = f"train {5 * train_shards} samples / {100 * train_shards} tokens"
     assert expected in (work / "results" / "summary.md").read_text()
 

@@ -1,58 +1,67 @@
 """Speculative decoding on a GPU: the plain target against a draft trained by the project.
 
-The bench stage's own engines (``draftflow.bench.run``: one fresh process per k, greedy, every
-response's token ids kept) at batch 1 (``max_num_seqs`` 1) and with 16 concurrent requests, for
-k = 0 (plain) and each ``--ks``. Per (batch, k): acceptance length τ, per-position acceptance,
-output tokens/s, speed-up over k = 0, whether every greedy output equals the plain target's, and
-the cost of one speculative step in plain decoding steps
-(``(decode time / steps) / (plain decode time / plain tokens)``, steps = drafts at batch 1).
+The bench stage's own engines and statistics (``draftflow.bench.suite.run_benchmark``: the plain
+target and every k alive at once on the GPU, each prompt unit timed on every engine in turn,
+``--repeats`` rounds, greedy, every response's token ids kept; ``draftflow.report.summary``:
+bootstrap intervals over prompt units and rounds) at batch 1 (``max_num_seqs`` 1) and with 16
+concurrent requests. Per (batch, k): acceptance length τ, per-position acceptance, output
+tokens/s, time per output token and the speed-up over k = 0, each with its confidence interval,
+whether every greedy output equals the plain target's, and the cost of one speculative step in
+plain decoding steps (τ / speed-up); per batch, the best k where its speed-up interval lies above
+every other k's, else the k that tie.
 
     python bench/gpu_spec_decode.py --target T --draft D --prompts P.jsonl --out R.json
 
 ``P.jsonl``: chat prompts as the bench stage reads them (``{"id", "turns": [...]}`` per line).
-Results: docs/benchmarks.md, "Speculative decoding on the GPU".
+At batch 1 a unit is one conversation; at batch B, B conversations decoded together, so
+``--limit`` should hold several batches. Results: docs/benchmarks.md, "Speculative decoding on
+the GPU".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 from pathlib import Path
 
-from draftflow.bench.run import engine_request, run_engine
+import pandas as pd
+
+from draftflow.bench.suite import run_benchmark
+from draftflow.io import atomic_write_json
+from draftflow.report.summary import Bootstrap, best_k, summarise
+
+FIGURES = ("acceptance_length", "tokens_per_s", "tpot_ms", "speedup")
 
 
-def summarize(result: dict, plain: dict | None) -> dict:
-    (run,) = result["runs"]
-    drafts = run["num_drafts"]
-    summary = {
-        "k": result["k"],
-        "output_tokens": run["output_tokens"],
-        "elapsed_s": round(run["elapsed_s"], 3),
-        "tokens_per_s": round(run["tokens_per_s"], 1),
-        "tpot_ms": round(run["tpot_ms"], 3),
-        "num_drafts": drafts,
-        "acceptance_length": round(1 + run["num_accepted_tokens"] / drafts, 3) if drafts else 1.0,
-        "acceptance_per_pos": [round(a / drafts, 3) for a in run["accepted_per_pos"]]
-        if drafts
-        else [],
-    }
-    if plain is not None:
-        (base,) = plain["runs"]
-        summary["speed_up"] = round(run["tokens_per_s"] / base["tokens_per_s"], 3)
-        same = [
-            mine["token_ids"] == theirs["token_ids"]
-            for pid, turns in run["responses"].items()
-            for mine, theirs in zip(turns, base["responses"][pid], strict=True)
-        ]
-        summary["outputs_identical"] = all(same)
-        summary["identical_responses"] = f"{sum(same)}/{len(same)}"
-        if drafts:
-            step = run["elapsed_s"] / drafts
-            plain_step = base["elapsed_s"] / base["output_tokens"]
-            summary["step_cost_in_plain_steps"] = round(step / plain_step, 3)
-    return summary
+def _round(value: float, digits: int = 3) -> float | None:
+    return round(float(value), digits) if value is not None and math.isfinite(value) else None
+
+
+def summary_rows(summary: pd.DataFrame, batch: int) -> list[dict]:
+    """One JSON row per k: every figure as ``[point, low, high]``."""
+    rows = []
+    for _, row in summary.sort_values("k").iterrows():
+        out = {"batch": batch, "k": int(row["k"])}
+        for name in FIGURES:
+            out[name] = [_round(row[name]), _round(row[f"{name}_low"]), _round(row[f"{name}_high"])]
+        out["acceptance_per_pos"] = json.loads(row["acceptance_per_pos"] or "[]")
+        out["step_cost_in_plain_steps"] = _round(row["step_cost"])
+        out["outputs_identical"] = bool(row["outputs_identical"])
+        out["num_requests_differ"] = int(row["num_requests_differ"])
+        out["num_units"], out["num_runs"] = int(row["num_units"]), int(row["num_runs"])
+        rows.append(out)
+    return rows
+
+
+def verdict(summary: pd.DataFrame) -> str:
+    (row,) = best_k(summary).itertuples()
+    return (
+        f"k={row.k}"
+        if row.named_best
+        else "tie: " + ", ".join(f"k={k}" for k in row.tied.split(","))
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,56 +69,71 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", required=True)
     parser.add_argument("--draft", required=True)
     parser.add_argument("--prompts", type=Path, required=True)
-    parser.add_argument("--limit", type=int, default=32)
+    parser.add_argument("--limit", type=int, default=80)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    # Every engine is alive at once: their shares of the GPU's memory add up.
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument(
         "--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager engines)"
     )
+    parser.add_argument("--bootstrap-samples", type=int, default=2000)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     lines = args.prompts.read_text(encoding="utf-8").splitlines()
     prompts = [json.loads(line) for line in lines if line.strip()][: args.limit]
     prompts = [{"id": str(p["id"]), "turns": list(p["turns"])} for p in prompts]
-    results = []
+    share = args.gpu_memory_utilization or round(0.85 / (1 + len(args.ks)), 3)
+    bootstrap = Bootstrap(args.bootstrap_samples, args.confidence, args.seed)
+    rows, verdicts = [], {}
     with tempfile.TemporaryDirectory(prefix="gpu-spec-") as tmp:
         for batch in args.batches:
-            engine = {
-                "max_model_len": 2048,
-                "max_num_seqs": batch,
-                "gpu_memory_utilization": args.gpu_memory_utilization,
-                "dtype": args.dtype,
-                "enforce_eager": not args.cuda_graphs,
-            }
-            plain = None
-            for k in [0, *args.ks]:
-                request = engine_request(
-                    args.target,
-                    args.draft,
-                    k,
-                    {"prompts": prompts},
-                    max_tokens=args.max_tokens,
-                    engine=engine,
-                )
-                result = run_engine(request, k, Path(tmp) / f"b{batch}-k{k}.json", None)
-                row = {"batch": batch, **summarize(result, plain)}
-                plain = plain or result
-                results.append(row)
+            out_dir = Path(tmp) / f"b{batch}"
+            tables = run_benchmark(
+                prompt_sets={"prompts": prompts},
+                target=args.target,
+                draft=args.draft,
+                ks=args.ks,
+                out_dir=out_dir,
+                reserved_cpus=None,
+                max_tokens=args.max_tokens,
+                seed=args.seed,
+                repeats=args.repeats,
+                engine={
+                    "max_model_len": 2048,
+                    "max_num_seqs": batch,
+                    "gpu_memory_utilization": share,
+                    "dtype": args.dtype,
+                    "enforce_eager": not args.cuda_graphs,
+                },
+            )
+            units = pd.read_csv(out_dir / "prompts" / "units.csv")
+            summary = summarise(tables["prompts"], units, bootstrap)
+            for row in summary_rows(summary, batch):
+                rows.append(row)
                 print(json.dumps(row), flush=True)
+            verdicts[str(batch)] = verdict(summary)
+            print(json.dumps({"batch": batch, "best": verdicts[str(batch)]}), flush=True)
     out = {
         "target": args.target,
         "draft": args.draft,
         "prompts": len(prompts),
+        "repeats": args.repeats,
         "cuda_graphs": args.cuda_graphs,
-        "max_tokens": args.max_tokens,
         "dtype": args.dtype,
-        "rows": results,
+        "max_tokens": args.max_tokens,
+        "confidence": args.confidence,
+        "bootstrap_samples": args.bootstrap_samples,
+        "rows": rows,
+        "best_k": verdicts,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    atomic_write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-# stage: bench. Prompt sets are normalised once; one job per engine (the plain target, k = 0,
-# and one per num_speculative_tokens with the trained EAGLE-3 draft) runs every prompt set; then
-# each prompt set's CSV is tabulated from all engines' results.
+# stage: bench. Prompt sets are normalised once; one job runs every engine side by side (the
+# plain target, k = 0, and one per num_speculative_tokens with the trained EAGLE-3 draft),
+# interleaved prompt by prompt so that their times pair up; then each prompt set's CSV and
+# units are tabulated from all engines' results.
 
 
 rule prompts:
@@ -25,19 +26,17 @@ rule prompts:
         "../scripts/prompts.py"
 
 
-rule bench_engine:
+rule bench_engines:
     input:
         prompts=bench_prompt_files(),
         draft=bench_draft_dir(),
         target=target_info(),
     output:
-        bench_engine_result("{k}"),
+        bench_engine_results(),
     log:
-        "logs/bench/engine-k{k}.log",
+        "logs/bench/engines.log",
     benchmark:
-        "benchmarks/bench/engine-k{k}.tsv"
-    wildcard_constraints:
-        k=r"\d+",
+        "benchmarks/bench/engines.tsv"
     conda:
         "../envs/draftflow.yaml"
     threads: bench_threads()
@@ -46,12 +45,13 @@ rule bench_engine:
         gpu=vllm_gpus(),
     params:
         bench=bench_engine_settings(),
+        ks=bench_ks(),
         datasets=bench_dataset_names(),
         dtype=bench_dtype(),
         trust_remote_code=config["target"].get("trust_remote_code", False),
-        code=stage_code("bench_engine"),
+        code=stage_code("bench_engines"),
     script:
-        "../scripts/bench_engine.py"
+        "../scripts/bench_engines.py"
 
 
 rule bench:
@@ -60,6 +60,7 @@ rule bench:
     output:
         csv=str(RESULTS / "bench" / "{dataset}.csv"),
         outputs=str(RESULTS / "bench" / "{dataset}" / "outputs.jsonl"),
+        units=str(RESULTS / "bench" / "{dataset}" / "units.csv"),
     log:
         "logs/bench/{dataset}.log",
     benchmark:

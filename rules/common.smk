@@ -192,6 +192,20 @@ def bench_csvs():
     return [str(RESULTS / "bench" / f"{name}.csv") for name in bench_dataset_names()]
 
 
+def bench_unit_csvs():
+    return [str(RESULTS / "bench" / name / "units.csv") for name in bench_dataset_names()]
+
+
+def bench_bootstrap():
+    """How the report draws its confidence intervals (draftflow.report.summary.Bootstrap)."""
+    bench = config["bench"]
+    return {
+        "samples": int(bench.get("bootstrap_samples", 2000)),
+        "confidence": float(bench.get("confidence", 0.95)),
+        "seed": int(bench.get("seed", 0)),
+    }
+
+
 def report_extract_dirs():
     """Capture stores of the training data (their manifests give the data size)."""
     return extract_dirs("train") + extract_dirs("val")

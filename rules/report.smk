@@ -5,6 +5,7 @@
 rule report:
     input:
         bench=bench_csvs(),
+        units=bench_unit_csvs(),
         train_metrics=str(RESULTS / "train" / "metrics.jsonl"),
         draft=bench_draft_dir(),
         target=target_info(),
@@ -55,6 +56,7 @@ rule report:
     resources:
         mem_mb=mem_mb("default"),
     params:
+        bootstrap=bench_bootstrap(),
         code=stage_code("report"),
     script:
         "../scripts/report.py"

@@ -10,5 +10,6 @@ table = write_dataset_results(
     [read_json(path) for path in snakemake.input.engines],
     snakemake.output.csv,
     snakemake.output.outputs,
+    snakemake.output.units,
 )
 log.info("\n%s", table[["k", "run", "tokens_per_s", "acceptance_length", "speedup"]])

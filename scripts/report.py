@@ -1,12 +1,15 @@
 """Rule report: summary table, markdown summary and figures."""
 
 from draftflow.report.build import ReportPaths, build_report
+from draftflow.report.summary import Bootstrap
 from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
 out = snakemake.output
 summary = build_report(
     bench_csvs=snakemake.input.bench,
+    unit_csvs=snakemake.input.units,
+    bootstrap=Bootstrap(**snakemake.params.bootstrap),
     train_metrics=snakemake.input.train_metrics,
     target_dir=target_dir(snakemake),
     draft_dir=snakemake.input.draft,

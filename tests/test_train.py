@@ -311,16 +311,16 @@ def test_trained_draft_is_accepted_in_vllm(trained, tiny_store, tmp_path):
     export_draft(random_draft, random_job, {**trained["summary"], "val": None})
 
     # The bench stage's engine, greedy, on the prompts the draft was trained on.
-    from draftflow.bench.run import engine_request, run_engine
+    from draftflow.bench.run import engine_request, run_engines
 
     prompt_set = [{"id": f"p{i}", "turns": [text]} for i, text in enumerate(TRAIN_PROMPTS[:8])]
     engine = {"max_model_len": 1024, "max_num_seqs": 8, "kv_cache_memory_bytes": 128 << 20}
     results = {}
     for name, draft in (("random", random_job.draft_dir), ("trained", trained["job"].draft_dir)):
         request = engine_request(
-            tiny_store["target"], draft, 3, {"train": prompt_set}, max_tokens=48, engine=engine
+            tiny_store["target"], draft, [3], {"train": prompt_set}, max_tokens=48, engine=engine
         )
-        (run,) = run_engine(request, 3, tmp_path / f"{name}.json")["runs"]
+        (run,) = run_engines(request, {3: tmp_path / f"{name}.json"})[3]["runs"]
         results[name] = run
     taus = {name: 1 + r["num_accepted_tokens"] / r["num_drafts"] for name, r in results.items()}
     print("acceptance lengths", taus)

@@ -53,6 +53,22 @@ def test_summary_has_every_k_with_every_cell_filled(summary: pd.DataFrame) -> No
     assert plain["speedup"] == pytest.approx(1.0)
 
 
+def test_every_figure_carries_its_interval(tiny_pipeline: Path, summary: pd.DataFrame) -> None:
+    units = pd.read_csv(tiny_pipeline / "results" / "bench" / "tiny" / "units.csv")
+    # Two rounds, every engine on the same units in each (the pairing of the speed-up).
+    assert sorted(units["run"].unique()) == [0, 1]
+    cells = {k: sorted(zip(g["run"], g["unit"], strict=True)) for k, g in units.groupby("k")}
+    assert cells[0] == cells[1] == cells[2]
+    for row in summary.itertuples():
+        for name in ("tokens_per_s", "tpot_ms", "speedup", "acceptance_length"):
+            low, point, high = (getattr(row, f"{name}{end}") for end in ("_low", "", "_high"))
+            assert low <= point <= high, (row.k, name)
+    plain = summary[summary["k"] == 0].iloc[0]
+    assert plain["speedup_low"] == pytest.approx(1.0) == plain["speedup_high"]
+    markdown = (tiny_pipeline / "results" / "summary.md").read_text()
+    assert "95 % confidence intervals" in markdown
+
+
 def test_the_trained_draft_gets_tokens_accepted(summary: pd.DataFrame) -> None:
     # The draft over-fitted the tiny corpus and the prompts come from it: drafts are accepted.
     for row in summary[summary["k"] > 0].itertuples():

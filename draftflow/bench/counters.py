@@ -26,16 +26,22 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = field(default_factory=tuple)
 
-    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
-        width = max(len(self.accepted_per_pos), len(earlier.accepted_per_pos))
-        now = list(self.accepted_per_pos) + [0] * (width - len(self.accepted_per_pos))
-        before = list(earlier.accepted_per_pos) + [0] * (width - len(earlier.accepted_per_pos))
+    def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        mine = list(self.accepted_per_pos) + [0] * (width - len(self.accepted_per_pos))
+        theirs = list(other.accepted_per_pos) + [0] * (width - len(other.accepted_per_pos))
         return SpecCounters(
-            num_drafts=self.num_drafts - earlier.num_drafts,
-            num_draft_tokens=self.num_draft_tokens - earlier.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens - earlier.num_accepted_tokens,
-            accepted_per_pos=tuple(a - b for a, b in zip(now, before, strict=True)),
+            num_drafts=self.num_drafts + sign * other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + sign * other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            accepted_per_pos=tuple(a + sign * b for a, b in zip(mine, theirs, strict=True)),
         )
+
+    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
+        return self._combine(earlier, -1)
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, 1)
 
     @property
     def acceptance_length(self) -> float:

@@ -1,15 +1,16 @@
-"""One benchmark configuration in one vLLM engine: warm up, then timed multi-turn runs.
+"""One benchmark engine in its own process, timing the units its driver sends it.
 
 vLLM can't change its speculative config after start, so every configuration (the plain target,
-and one per ``num_speculative_tokens``) gets its own engine, and the benchmark driver runs each
-in a fresh process (``python -m draftflow.bench.engine REQUEST.json RESULT.json``): the process
-gives back all memory, starts with fresh counters and gets the same thread pinning. One engine
-serves every prompt set in turn (an engine start costs ~30 s on the CPU).
+k = 0, and one per ``num_speculative_tokens``) gets its own engine, each in a fresh process
+(``python -m draftflow.bench.engine REQUEST.json COMMANDS_FD REPLIES_FD``): the process gives
+back all memory, has its own spec-decode counters (vLLM keeps them in a registry per process,
+which a second engine in the same process would reset) and gets the driver's thread pinning.
+All engines of a benchmark are alive at once and the driver (``draftflow.bench.rounds``) sends
+each unit to every one in turn; an idle engine waits on its pipe without using the CPU.
 
 A request JSON holds ``engine`` (keyword arguments for ``vllm.LLM``), ``sampling``
 (temperature, top_p, max_tokens, seed), ``prompt_sets`` (prompt-set name -> normalised prompt
-records), ``repeats`` and ``warmup_tokens``. The result JSON holds ``engine``, ``sampling`` and
-one entry per (timed run, prompt set) under ``runs``.
+records) and ``warmup_tokens``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from draftflow.bench.counters import read_spec_counters
+from draftflow.bench.counters import SpecCounters, read_spec_counters
 from draftflow.engine import engine_kwargs as common_engine_kwargs
-from draftflow.io import atomic_write_json
+from draftflow.engine import shutdown_engine
 
 log = logging.getLogger(__name__)
 
@@ -152,29 +153,17 @@ def run_conversations(
     return responses, elapsed
 
 
-def _run_stats(responses: dict[str, list[dict[str, Any]]], elapsed: float) -> dict[str, Any]:
-    flat = [r for turns in responses.values() for r in turns]
-    output_tokens = sum(len(r["token_ids"]) for r in flat)
-    # Time per output token: per response, decode time over the tokens after the first.
-    per_token = [
-        r["decode_s"] / (len(r["token_ids"]) - 1)
-        for r in flat
-        if r["decode_s"] is not None and len(r["token_ids"]) > 1
-    ]
-    return {
-        "num_prompts": len(responses),
-        "num_requests": len(flat),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in flat),
-        "output_tokens": output_tokens,
-        "elapsed_s": elapsed,
-        "tokens_per_s": output_tokens / elapsed if elapsed > 0 else float("nan"),
-        "requests_per_s": len(flat) / elapsed if elapsed > 0 else float("nan"),
-        "tpot_ms": 1000.0 * sum(per_token) / len(per_token) if per_token else float("nan"),
-    }
+def _read_counters(llm: Any) -> SpecCounters:
+    return read_spec_counters(llm.get_metrics())
 
 
-def run_configuration(request: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine, warm it up, and time ``repeats`` passes over every prompt set."""
+def serve(request: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
+    """Start one engine, warm it up, then time the units the driver asks for, one at a time.
+
+    Every line on ``commands`` is ``{"dataset", "prompts": [ids]}`` (answered with the unit's
+    responses, seconds inside ``llm.chat`` and spec-decode counters) or ``{"stop": true}``.
+    The first line on ``replies`` says the engine is ready.
+    """
     from vllm import SamplingParams
 
     from draftflow.engine import start_engine
@@ -183,52 +172,61 @@ def run_configuration(request: dict[str, Any]) -> dict[str, Any]:
     empty = [name for name, prompts in prompt_sets.items() if not prompts]
     if not prompt_sets or empty:
         raise ValueError(f"empty prompt set(s): {empty or 'none given'}")
+    by_id = {name: {p["id"]: p for p in prompts} for name, prompts in prompt_sets.items()}
     sampling = request["sampling"]
     # The driver set the engine's environment when it started this process.
     llm = start_engine(request["engine"], {})
-    # Warm-up: the first request pays for lazy initialisation; it's outside every timed run.
-    first = next(iter(prompt_sets.values()))[0]
+    # Warm-up: the first requests pay for lazy initialisation; never timed.
     warmup = SamplingParams(temperature=0.0, max_tokens=int(request.get("warmup_tokens", 16)))
-    llm.chat([[{"role": "user", "content": first["turns"][0]}]], warmup, use_tqdm=False)
-
-    runs = []
-    for run in range(int(request.get("repeats", 1))):
-        for dataset, prompts in prompt_sets.items():
-            before = read_spec_counters(llm.get_metrics())
-            responses, elapsed = run_conversations(llm, prompts, sampling)
-            counters = read_spec_counters(llm.get_metrics()) - before
-            stats = _run_stats(responses, elapsed)
-            log.info(
-                "run %d, %s: %.1f output tokens/s, %s",
-                run,
-                dataset,
-                stats["tokens_per_s"],
-                counters,
-            )
-            runs.append(
-                {
-                    "run": run,
-                    "dataset": dataset,
-                    **stats,
+    for prompts in prompt_sets.values():
+        llm.chat([[{"role": "user", "content": prompts[0]["turns"][0]}]], warmup, use_tqdm=False)
+    _reply(replies, {"ready": True})
+    for line in commands:
+        command = json.loads(line)
+        if command.get("stop"):
+            break
+        unit = [by_id[command["dataset"]][pid] for pid in command["prompts"]]
+        before = _read_counters(llm)
+        responses, elapsed = run_conversations(llm, unit, sampling)
+        counters = _read_counters(llm) - before
+        _reply(
+            replies,
+            {
+                "responses": responses,
+                "elapsed_s": elapsed,
+                "counters": {
                     "num_drafts": counters.num_drafts,
                     "num_draft_tokens": counters.num_draft_tokens,
                     "num_accepted_tokens": counters.num_accepted_tokens,
                     "accepted_per_pos": list(counters.accepted_per_pos),
-                    "responses": responses,
-                }
-            )
-    return {"engine": request["engine"], "sampling": sampling, "runs": runs}
+                },
+            },
+        )
+    shutdown_engine(llm)
+
+
+def _reply(replies: TextIO, message: dict[str, Any]) -> None:
+    replies.write(json.dumps(message, allow_nan=True) + "\n")
+    replies.flush()
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m draftflow.bench.engine REQUEST.json RESULT.json", file=sys.stderr)
+    if len(argv) != 3:
+        print(
+            "usage: python -m draftflow.bench.engine REQUEST.json COMMANDS_FD REPLIES_FD",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
     )
     request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    atomic_write_json(argv[1], run_configuration(request))
+    # The driver's pipes, not stdout: vLLM logs to stdout.
+    with (
+        open(int(argv[1]), encoding="utf-8") as commands,
+        open(int(argv[2]), "w", encoding="utf-8") as replies,
+    ):
+        serve(request, commands, replies)
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Benchmark engines: one configuration (k = 0 is the plain target) over every prompt set.
+"""Benchmark engines: every configuration (k = 0 is the plain target) over every prompt set.
 
-``run_engine`` runs one configuration in a fresh process (``draftflow.bench.engine``) and writes
-its raw result (timings, vLLM counters, every response's token ids) as JSON; the tables are made
-from those results by ``draftflow.bench.tables``. Kept apart so that a change to the tables
+``run_engines`` runs all configurations side by side, each engine in a fresh process of its own
+(``draftflow.bench.engine``), interleaved unit by unit (``draftflow.bench.rounds``), and writes each one's raw
+result (timings per unit, vLLM counters, every response's token ids) as JSON; the tables are
+made from those results by ``draftflow.bench.tables``. Kept apart so that a change to the tables
 doesn't rerun the engines.
 """
 
@@ -10,15 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from draftflow.bench.engine import engine_kwargs
+from draftflow.bench.rounds import engine_processes, run_rounds
 from draftflow.engine import engine_env
-from draftflow.io import atomic_write_json, read_json
+from draftflow.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -26,32 +26,22 @@ log = logging.getLogger(__name__)
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_engine_process(
-    request: dict[str, Any], workdir: Path, name: str, reserved_cpus: int | None
-) -> dict[str, Any]:
-    """Run one configuration in a fresh Python process (see ``draftflow.bench.engine``)."""
-    request_path = workdir / f"{name}.request.json"
-    result_path = workdir / f"{name}.result.json"
-    atomic_write_json(request_path, request)
+def engine_environment(request: dict[str, Any], reserved_cpus: int | None) -> dict[str, str]:
+    """The environment every engine process of ``request`` starts with."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     # On the CPU build: the same reserved scheduler cores and matching thread counts for every
     # engine, so runs compare (and the worker's core isn't oversubscribed); spawn on GPUs.
-    tensor_parallel_size = int(request["engine"].get("tensor_parallel_size", 1))
+    first = next(iter(request["engines"].values()))
+    tensor_parallel_size = int(first.get("tensor_parallel_size", 1))
     env.update(engine_env(reserved_cpus=reserved_cpus, tensor_parallel_size=tensor_parallel_size))
-    command = [sys.executable, "-m", "draftflow.bench.engine", str(request_path), str(result_path)]
-    log.info("starting engine %s", name)
-    sys.stderr.flush()
-    completed = subprocess.run(command, env=env, stdout=sys.stderr, stderr=sys.stderr, check=False)
-    if completed.returncode != 0:
-        raise RuntimeError(f"benchmark engine {name} failed with exit code {completed.returncode}")
-    return read_json(result_path)
+    return env
 
 
 def engine_request(
     target: str,
     draft: str | None,
-    k: int,
+    ks: list[int],
     prompt_sets: dict[str, list[dict[str, Any]]],
     *,
     temperature: float = 0.0,
@@ -62,9 +52,15 @@ def engine_request(
     warmup_tokens: int = 16,
     engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The request ``draftflow.bench.engine`` runs: identical for every k but the draft."""
+    """The request ``draftflow.bench.engine`` runs: one engine per k in ``ks``, identical but
+    for the draft."""
+    if len(set(ks)) != len(ks) or not ks:
+        raise ValueError(f"engine configurations must be distinct and at least one, got {ks}")
     return {
-        "engine": engine_kwargs(target, draft if k else None, k, **dict(engine or {})),
+        "engines": {
+            str(k): engine_kwargs(target, draft if k else None, k, **dict(engine or {}))
+            for k in sorted(ks)
+        },
         "sampling": {
             "temperature": temperature,
             "top_p": top_p,
@@ -106,14 +102,33 @@ def request_settings(
     }
 
 
-def run_engine(
-    request: dict[str, Any], k: int, out_json: str | Path, reserved_cpus: int | None = 1
-) -> dict[str, Any]:
-    """Run one configuration in its own process; write its result (with ``k``) atomically."""
-    out_json = Path(out_json)
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"bench-k{k}-", dir=out_json.parent) as tmp:
-        result = run_engine_process(request, Path(tmp), f"k{k}", reserved_cpus)
-    result["k"] = k
-    atomic_write_json(out_json, result)
-    return result
+def run_engines(
+    request: dict[str, Any], out_jsons: dict[int, str | Path], reserved_cpus: int | None = 1
+) -> dict[int, dict[str, Any]]:
+    """Run every configuration of ``request`` side by side (``draftflow.bench.rounds``); write
+    each one's result (with its ``k``) atomically to ``out_jsons[k]``."""
+    ks = sorted(int(k) for k in request["engines"])
+    if sorted(out_jsons) != ks:
+        raise ValueError(f"result paths for k={sorted(out_jsons)}, engines for k={ks}")
+    paths = {k: Path(path) for k, path in out_jsons.items()}
+    workdir = paths[ks[0]].parent
+    workdir.mkdir(parents=True, exist_ok=True)
+    shared = {key: request[key] for key in ("sampling", "prompt_sets", "warmup_tokens")}
+    engines = {int(k): kwargs for k, kwargs in request["engines"].items()}
+    max_num_seqs = int(engines[ks[0]].get("max_num_seqs", 1))
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-", dir=workdir) as tmp,
+        engine_processes(
+            {k: {**shared, "engine": engines[k]} for k in ks},
+            Path(tmp),
+            engine_environment(request, reserved_cpus),
+        ) as processes,
+    ):
+        runs = run_rounds(processes, request["prompt_sets"], int(request["repeats"]), max_num_seqs)
+    results = {}
+    for k in ks:
+        result = {"engine": engines[k], "sampling": request["sampling"], "runs": runs[k], "k": k}
+        paths[k].parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(paths[k], result)
+        results[k] = result
+    return results

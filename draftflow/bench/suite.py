@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from draftflow.bench.run import engine_request, run_engine
+from draftflow.bench.run import engine_request, run_engines
 from draftflow.bench.tables import write_dataset_results
 
 
@@ -21,26 +21,28 @@ def run_benchmark(
     reserved_cpus: int | None = 1,
     **request: Any,
 ) -> dict[str, pd.DataFrame]:
-    """The plain target and each k over every prompt set: ``out_dir/engines/k{k}.json``, then
-    ``out_dir/{dataset}.csv`` and ``out_dir/{dataset}/outputs.jsonl`` per prompt set.
+    """The plain target and each k over every prompt set, side by side:
+    ``out_dir/engines/k{k}.json``, then ``out_dir/{dataset}.csv``,
+    ``out_dir/{dataset}/outputs.jsonl`` and ``out_dir/{dataset}/units.csv`` per prompt set.
 
     ``request`` takes ``engine_request``'s keyword arguments (sampling, repeats, engine).
     """
     if sorted(set(ks)) != sorted(ks) or any(k < 1 for k in ks):
         raise ValueError(f"num_speculative_tokens must be distinct integers >= 1, got {ks}")
     out_dir = Path(out_dir)
-    results = [
-        run_engine(
-            engine_request(target, draft, k, prompt_sets, **request),
-            k,
-            out_dir / "engines" / f"k{k}.json",
-            reserved_cpus,
-        )
-        for k in [0, *ks]
-    ]
+    configurations = [0, *ks]
+    results = run_engines(
+        engine_request(target, draft, configurations, prompt_sets, **request),
+        {k: out_dir / "engines" / f"k{k}.json" for k in configurations},
+        reserved_cpus,
+    )
     return {
         dataset: write_dataset_results(
-            dataset, results, out_dir / f"{dataset}.csv", out_dir / dataset / "outputs.jsonl"
+            dataset,
+            list(results.values()),
+            out_dir / f"{dataset}.csv",
+            out_dir / dataset / "outputs.jsonl",
+            out_dir / dataset / "units.csv",
         )
         for dataset in prompt_sets
     }

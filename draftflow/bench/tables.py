@@ -6,6 +6,11 @@ counts and ``acceptance_per_pos`` the same divided by the number of drafts, both
 The speed-up divides a run's throughput by the plain target's mean throughput over its runs.
 Under greedy decoding every run is compared token by token with the plain target's first run;
 differing requests are counted and the first one named (``first_difference``).
+
+Units (``results/bench/{dataset}/units.csv``): one row per (k, run, unit), a unit being the
+conversations the engines timed one after the other (``draftflow.bench.engine``); its columns
+(``UNIT_COLUMNS``) are the additive quantities ``draftflow.bench.stats`` resamples for the
+report's intervals.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pandas as pd
 
 from draftflow.bench.counters import SpecCounters
 from draftflow.bench.lossless import compare_runs
+from draftflow.bench.stats import QUANTITIES
 from draftflow.io import atomic_path
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,9 @@ CSV_COLUMNS = [
     "num_requests_differ",
     "first_difference",
 ]
+
+
+UNIT_COLUMNS = ["dataset", "k", "run", "unit", *QUANTITIES]
 
 
 def _rows(
@@ -100,8 +109,9 @@ def write_dataset_results(
     results: list[dict[str, Any]],
     out_csv: str | Path,
     out_outputs: str | Path,
+    out_units: str | Path,
 ) -> pd.DataFrame:
-    """One prompt set's CSV and outputs from the engines' results (one of them with k = 0)."""
+    """One prompt set's CSV, outputs and units from the engines' results (one with k = 0)."""
     by_k = {int(r["k"]): _dataset_runs(r, dataset) for r in results}
     if 0 not in by_k:
         raise ValueError("the plain target's result (k = 0) is missing: speed-ups need it")
@@ -149,6 +159,7 @@ def write_dataset_results(
     with atomic_path(out_csv) as tmp_csv:
         table.to_csv(tmp_csv, index=False)
     write_outputs(out_outputs, dataset, {k: by_k[k] for k in sorted(by_k)})
+    write_units(out_units, dataset, {k: by_k[k] for k in sorted(by_k)})
     return table
 
 
@@ -176,3 +187,23 @@ def write_outputs(
                         "turns": turns,
                     }
                     handle.write(json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n")
+
+
+def write_units(path: str | Path, dataset: str, runs_by_k: dict[int, list[dict[str, Any]]]) -> None:
+    """Every engine's timed units; all engines must have timed the same units in the same runs,
+    since the statistics pair them."""
+    rows = [
+        {"dataset": dataset, "k": k, "run": run["run"], **{c: unit[c] for c in UNIT_COLUMNS[3:]}}
+        for k, runs in runs_by_k.items()
+        for run in runs
+        for unit in run.get("units", [])
+    ]
+    table = pd.DataFrame(rows, columns=UNIT_COLUMNS)
+    cells = {k: set(zip(g["run"], g["unit"], strict=True)) for k, g in table.groupby("k")}
+    if len(cells) != len(runs_by_k) or len({frozenset(c) for c in cells.values()}) != 1:
+        raise ValueError(
+            f"{dataset}: the engines did not all time the same units in the same runs "
+            "(results from separate engine runs cannot be paired)"
+        )
+    with atomic_path(path) as tmp:
+        table.to_csv(tmp, index=False)

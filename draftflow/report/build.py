@@ -1,6 +1,6 @@
 """The report stage: ``summary.csv``, ``summary.md`` and the figures, from files on disk.
 
-Inputs are the bench CSVs, the trainer's ``metrics.jsonl``, the exported draft and the target
+Inputs are the bench CSVs and units tables, the trainer's ``metrics.jsonl``, the exported draft and the target
 checkpoint directories, and the capture stores' manifests (for the training data size). Any
 of the descriptive inputs may lack fields; the summary then says "unknown" instead of failing.
 """
@@ -18,7 +18,15 @@ import pandas as pd
 
 from draftflow.io import atomic_path, atomic_write_text
 from draftflow.report import plots
-from draftflow.report.summary import best_k, read_bench_tables, summarise, where_the_time_goes
+from draftflow.report.summary import (
+    DEFAULT_BOOTSTRAP,
+    WITH_INTERVALS,
+    Bootstrap,
+    best_k,
+    read_bench_tables,
+    summarise,
+    where_the_time_goes,
+)
 from draftflow.report.train_log import final_accuracy, last_step, read_train_log
 
 
@@ -103,12 +111,28 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _fmt_bounded(row: Any, name: str, digits: int = 2) -> str:
+    """``point [low, high]``, or the point alone where no interval was measured."""
+    point, low, high = (getattr(row, f) for f in (name, f"{name}_low", f"{name}_high"))
+    if any(v is None or (isinstance(v, float) and math.isnan(v)) for v in (low, high)):
+        return _fmt(point, digits)
+    return f"{_fmt(point, digits)} [{_fmt(low, digits)}, {_fmt(high, digits)}]"
+
+
+def _best_cell(row: Any) -> str:
+    if row.named_best:
+        return str(row.k)
+    tied = ", ".join(f"k={k}" for k in str(row.tied).split(","))
+    return f"tie: {tied}"
+
+
 def render_markdown(
     summary: pd.DataFrame,
     train_log: pd.DataFrame,
     target: str,
     draft: str,
     sizes: dict[str, dict[str, int]],
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> str:
     lines = ["# draftflow summary", "", f"- Target: {target}", f"- Draft: {draft}"]
     if sizes:
@@ -136,7 +160,18 @@ def render_markdown(
     else:
         lines.append("- Validation accuracy per draft position: unknown")
 
+    level = f"{100 * bootstrap.confidence:g} %"
+    measured = summary["speedup_low"].notna().any()
     lines += ["", "## Best k per prompt set", ""]
+    if measured:
+        lines += [
+            f"Figures in brackets are {level} confidence intervals: a bootstrap over the timed "
+            f"prompts and rounds ({bootstrap.samples} resamples, seed {bootstrap.seed}), each "
+            "speed-up a ratio of times measured on the same prompts in the same rounds. A k is "
+            "named best only where its speed-up interval lies above every other k's; otherwise "
+            "the k whose intervals reach the leader's tie.",
+            "",
+        ]
     best = best_k(summary)
     if best.empty:
         lines.append("No speculative run to compare.")
@@ -147,8 +182,9 @@ def render_markdown(
         ]
         for row in best.itertuples():
             lines.append(
-                f"| {row.dataset} | {row.temperature:g} | {row.k} | {_fmt(row.acceptance_length)} "
-                f"| {_fmt(row.speedup)} | {_fmt(row.outputs_identical)} |"
+                f"| {row.dataset} | {row.temperature:g} | {_best_cell(row)} "
+                f"| {_fmt_bounded(row, 'acceptance_length')} | {_fmt_bounded(row, 'speedup')} "
+                f"| {_fmt(row.outputs_identical)} |"
             )
 
     lines += ["", "## All configurations", ""]
@@ -164,8 +200,11 @@ def render_markdown(
         "num_requests_differ",
     ]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in summary[columns].itertuples(index=False):
-        lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
+    for row in summary.itertuples(index=False):
+        cells = [
+            _fmt_bounded(row, c) if c in WITH_INTERVALS else _fmt(getattr(row, c)) for c in columns
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
 
     differing = summary[pd.to_numeric(summary["num_requests_differ"], errors="coerce") > 0]
     if not differing.empty:
@@ -199,9 +238,13 @@ def build_report(
     draft_dir: str | Path,
     extract_dirs: Iterable[str | Path],
     out: ReportPaths,
+    unit_csvs: Iterable[str | Path] | None = None,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> pd.DataFrame:
-    """Write every report output; return the summary table."""
-    summary = summarise(read_bench_tables(bench_csvs))
+    """Write every report output; return the summary table. ``unit_csvs`` (the bench units
+    tables) give the figures their confidence intervals."""
+    units = read_bench_tables(unit_csvs) if unit_csvs is not None else None
+    summary = summarise(read_bench_tables(bench_csvs), units, bootstrap)
     train_log = read_train_log(train_metrics)
     with atomic_path(out.summary) as tmp:
         summary.to_csv(tmp, index=False)
@@ -211,6 +254,7 @@ def build_report(
         describe_target(target_dir),
         describe_draft(draft_dir),
         data_size(extract_dirs),
+        bootstrap,
     )
     atomic_write_text(out.markdown, markdown)
     plots.plot_acceptance_length(summary, out.acceptance_length)

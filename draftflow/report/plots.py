@@ -26,14 +26,31 @@ def _label(dataset: str, temperature: float) -> str:
     return dataset if temperature == 0 else f"{dataset} (T={temperature:g})"
 
 
+def _error_bars(group: pd.DataFrame, name: str) -> list[list[float]] | None:
+    """Distances from the point to the interval's bounds, for ``yerr`` (None if unmeasured)."""
+    low, high = f"{name}_low", f"{name}_high"
+    if low not in group or group[low].isna().any() or group[high].isna().any():
+        return None
+    return [
+        list((group[name] - group[low]).clip(lower=0)),
+        list((group[high] - group[name]).clip(lower=0)),
+    ]
+
+
 def plot_acceptance_length(summary: pd.DataFrame, out: str | Path) -> None:
-    """Mean acceptance length τ against k, with the ideal τ = k + 1 for reference."""
+    """Mean acceptance length τ against k (with its interval where measured), and the ideal
+    τ = k + 1 for reference."""
     figure, axes = plt.subplots(figsize=(5, 3.5))
     spec = summary[summary["k"] > 0]
     for (dataset, temperature), group in spec.groupby(["dataset", "temperature"]):
         group = group.sort_values("k")
-        axes.plot(
-            group["k"], group["acceptance_length"], marker="o", label=_label(dataset, temperature)
+        axes.errorbar(
+            group["k"],
+            group["acceptance_length"],
+            yerr=_error_bars(group, "acceptance_length"),
+            marker="o",
+            capsize=3,
+            label=_label(dataset, temperature),
         )
     if not spec.empty:
         ks = sorted(spec["k"].unique())
@@ -80,19 +97,20 @@ def plot_acceptance_per_position(
 
 
 def plot_speedup(summary: pd.DataFrame, out: str | Path) -> None:
-    """Speed-up over the plain target per k, bars grouped by prompt set."""
+    """Speed-up over the plain target per k, bars grouped by prompt set, with the intervals
+    as error bars where measured."""
     figure, axes = plt.subplots(figsize=(5, 3.5))
     spec = summary[summary["k"] > 0]
     groups = list(spec.groupby(["dataset", "temperature"]))
     ks = sorted(spec["k"].unique())
     width = 0.8 / max(len(ks), 1)
     for offset, k in enumerate(ks):
-        values = []
-        for _, group in groups:
-            match = group[group["k"] == k]["speedup"]
-            values.append(float(match.iloc[0]) if not match.empty else 0.0)
+        rows = [group[group["k"] == k] for _, group in groups]
+        values = [float(r["speedup"].iloc[0]) if not r.empty else 0.0 for r in rows]
+        present = pd.concat([r for r in rows if not r.empty])
+        bars = _error_bars(present, "speedup") if len(present) == len(rows) else None
         positions = [i + offset * width for i in range(len(groups))]
-        axes.bar(positions, values, width=width, label=f"k={k}")
+        axes.bar(positions, values, width=width, yerr=bars, capsize=3, label=f"k={k}")
     axes.axhline(1.0, color="grey", linestyle=":")
     axes.set_xticks([i + width * (len(ks) - 1) / 2 for i in range(len(groups))])
     axes.set_xticklabels([_label(*key) for key, _ in groups])

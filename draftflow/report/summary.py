@@ -1,7 +1,11 @@
 """Summaries of the benchmark: one row per (dataset, k), the best k, and where the time goes.
 
 Runs of one configuration are pooled: counters are summed before ratios are taken (so a run
-with many drafts weighs more), throughput is the mean over runs.
+with many drafts weighs more). Given the bench units tables, tokens/s, time per output token,
+speed-up and acceptance length are ratios of sums over every timed unit and round, each with a
+bootstrap confidence interval (``draftflow.bench.stats``: ``*_low`` and ``*_high`` columns), and
+a k is named best only where its speed-up interval lies above every other k's. Without them
+throughput is the mean over runs and the bounds stay empty.
 """
 
 from __future__ import annotations
@@ -9,27 +13,52 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+
+from draftflow.bench.stats import Grid, Interval, Verdict, best_or_tie, intervals
+
+# Figures that carry a confidence interval: each has ``{name}_low`` and ``{name}_high`` beside it.
+WITH_INTERVALS = ("acceptance_length", "tokens_per_s", "tpot_ms", "speedup")
+
+
+def _bounded(name: str) -> list[str]:
+    return [name, f"{name}_low", f"{name}_high"] if name in WITH_INTERVALS else [name]
+
 
 SUMMARY_COLUMNS = [
     "dataset",
     "k",
-    "acceptance_length",
+    *_bounded("acceptance_length"),
     "acceptance_rate",
     "acceptance_per_pos",
-    "tokens_per_s",
-    "tpot_ms",
+    *_bounded("tokens_per_s"),
+    *_bounded("tpot_ms"),
     "requests_per_s",
-    "speedup",
+    *_bounded("speedup"),
     "step_cost",
     "outputs_identical",
     "num_requests_differ",
     "num_requests",
+    "num_units",
     "num_runs",
     "temperature",
 ]
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """How the intervals are drawn (config: bench.bootstrap_samples, confidence, seed)."""
+
+    samples: int = 2000
+    confidence: float = 0.95
+    seed: int = 0
+
+
+DEFAULT_BOOTSTRAP = Bootstrap()
 
 
 def read_bench_tables(paths: Iterable[str | Path]) -> pd.DataFrame:
@@ -62,8 +91,31 @@ def step_cost(baseline_tokens_per_s: float, tokens_per_s: float, acceptance_leng
     return baseline_tokens_per_s / tokens_per_s * acceptance_length
 
 
-def summarise(bench: pd.DataFrame) -> pd.DataFrame:
+def unit_intervals(
+    units: pd.DataFrame, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP
+) -> dict[tuple[str, int], dict[str, Interval]]:
+    """Per (dataset, k): every figure with its interval, from the bench units tables."""
+    out = {}
+    for dataset, table in units.groupby("dataset"):
+        names = list(dict.fromkeys(str(u) for u in table["unit"]))
+        runs = sorted(int(r) for r in table["run"].unique())
+        grids = {
+            int(k): Grid.from_rows(group.to_dict("records"), names, runs)
+            for k, group in table.groupby("k")
+        }
+        measured = intervals(
+            grids, samples=bootstrap.samples, confidence=bootstrap.confidence, seed=bootstrap.seed
+        )
+        for k, figures in measured.items():
+            out[(str(dataset), k)] = figures
+    return out
+
+
+def summarise(
+    bench: pd.DataFrame, units: pd.DataFrame | None = None, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP
+) -> pd.DataFrame:
     """One row per (dataset, temperature, k); k = 0 is the plain target."""
+    measured = unit_intervals(units, bootstrap) if units is not None else {}
     rows = []
     for (dataset, temperature, k), group in bench.groupby(["dataset", "temperature", "k"]):
         drafts = int(group["num_drafts"].sum())
@@ -98,22 +150,68 @@ def summarise(bench: pd.DataFrame) -> pd.DataFrame:
                 if identical.notna().all()
                 else None,
                 "num_requests": int(group["num_requests"].iloc[0]),
+                "num_units": None,
                 "num_runs": len(group),
                 "temperature": float(temperature),
             }
         )
+        figures = measured.get((str(dataset), int(k)))
+        if figures is not None:
+            for name, interval in figures.items():
+                rows[-1].update(
+                    {
+                        name: interval.point,
+                        f"{name}_low": interval.low,
+                        f"{name}_high": interval.high,
+                    }
+                )
+            rows[-1]["step_cost"] = (
+                rows[-1]["acceptance_length"] / rows[-1]["speedup"]
+                if rows[-1]["speedup"] > 0
+                else float("nan")
+            )
+            rows[-1]["num_units"] = int(
+                units[(units["dataset"] == dataset) & (units["k"] == k)]["unit"].nunique()
+            )
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS).sort_values(
         ["dataset", "temperature", "k"], ignore_index=True
     )
 
 
+def _interval(row: pd.Series, name: str) -> Interval:
+    """A row's figure with its bounds; without bounds the point stands for both."""
+    point = float(row[name])
+    low, high = row.get(f"{name}_low", np.nan), row.get(f"{name}_high", np.nan)
+    if pd.isna(low) or pd.isna(high):
+        return Interval(point, point, point)
+    return Interval(point, float(low), float(high))
+
+
+def verdicts(summary: pd.DataFrame) -> dict[tuple[str, float], Verdict]:
+    """Per (dataset, temperature): the best speculative k, or the k that tie."""
+    spec = summary[(summary["k"] > 0) & summary["speedup"].notna()]
+    return {
+        (str(dataset), float(temperature)): best_or_tie(
+            {int(row["k"]): _interval(row, "speedup") for _, row in group.iterrows()}
+        )
+        for (dataset, temperature), group in spec.groupby(["dataset", "temperature"])
+    }
+
+
 def best_k(summary: pd.DataFrame) -> pd.DataFrame:
-    """Per (dataset, temperature): the speculative k with the highest speed-up."""
+    """Per (dataset, temperature): the row of the k with the highest speed-up, with
+    ``named_best`` (its interval lies above every other k's) and ``tied`` (the k whose
+    intervals reach its own, comma-separated)."""
     spec = summary[(summary["k"] > 0) & summary["speedup"].notna()]
     if spec.empty:
-        return spec
+        return spec.assign(named_best=[], tied=[])
     index = spec.groupby(["dataset", "temperature"])["speedup"].idxmax()
-    return spec.loc[index].reset_index(drop=True)
+    best = spec.loc[index].reset_index(drop=True)
+    found = verdicts(summary)
+    keys = list(zip(best["dataset"].astype(str), best["temperature"].astype(float), strict=True))
+    best["named_best"] = [found[key].best is not None for key in keys]
+    best["tied"] = [",".join(str(k) for k in found[key].tied) for key in keys]
+    return best
 
 
 def where_the_time_goes(summary: pd.DataFrame) -> list[str]:

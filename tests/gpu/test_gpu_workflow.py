@@ -22,6 +22,7 @@ def test_tiny_workflow_on_the_gpu(tmp_path, smollm2_dir):
     config["extract"].update(use_gpu=True, gpu_memory_utilization=0.2)
     config["extract"].pop("kv_cache_memory_bytes", None)
     config["resources"]["train_gpus"] = 1
+    # The three bench engines (k = 0, 1, 2) are alive at once: 0.2 of the GPU each.
     config["bench"].update(gpu_memory_utilization=0.2, kv_cache_memory_bytes=None)
     write_config(workdir, config)
     run_snakemake(workdir, "--cores", "8", "--resources", "gpu=1", timeout=1500)
@@ -35,6 +36,11 @@ def test_tiny_workflow_on_the_gpu(tmp_path, smollm2_dir):
     assert rows and all(row["outputs_identical"] in ("True", "true", "1", "yes") for row in rows)
     drafted = [row for row in rows if int(row["k"]) > 0]
     assert drafted and all(float(row["acceptance_length"]) > 1.0 for row in drafted)
+    # The bench's statistics: every figure within its interval, paired over the same units.
+    for row in rows:
+        for name in ("tokens_per_s", "tpot_ms", "speedup", "acceptance_length"):
+            low, point, high = (float(row[f"{name}{end}"]) for end in ("_low", "", "_high"))
+            assert low <= point <= high, (row["k"], name)
     print("GPU tiny workflow:", rows)
     keep = os.environ.get("DRAFTFLOW_GPU_KEEP")
     if keep:

@@ -1,21 +1,21 @@
-"""Rule bench_engine: one vLLM engine (the plain target for k = 0, else the EAGLE-3 draft with
-k speculative tokens) over every prompt set; its raw result as JSON.
+"""Rule bench_engines: every engine (the plain target, k = 0, and the EAGLE-3 draft at each k)
+side by side over every prompt set, interleaved unit by unit; each one's raw result as JSON.
 
-The engine runs in a child process (draftflow.bench.engine), so no vLLM engine starts in this one.
+The engines run in a child process (draftflow.bench.engine), so no vLLM engine starts in this one.
 """
 
 from draftflow.bench.prompts import read_prompts
-from draftflow.bench.run import engine_request, request_settings, run_engine
+from draftflow.bench.run import engine_request, request_settings, run_engines
 from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
 settings = snakemake.params.bench
-k = int(snakemake.wildcards.k)
+ks = [int(k) for k in snakemake.params.ks]
 request = engine_request(
     target=str(target_dir(snakemake)),
     draft=snakemake.input.draft,
-    k=k,
+    ks=ks,
     prompt_sets={
         name: read_prompts(path)
         for name, path in zip(snakemake.params.datasets, snakemake.input.prompts, strict=True)
@@ -28,8 +28,15 @@ request = engine_request(
         tensor_parallel_size=max(1, int(snakemake.resources.gpu)),
     ),
 )
-# The engine runs in a child process: it inherits the leased CUDA_VISIBLE_DEVICES.
+# The engines run in a child process: it inherits the leased CUDA_VISIBLE_DEVICES.
 with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
-    result = run_engine(request, k, snakemake.output[0], settings.get("reserved_cpus"))
-for run in result["runs"]:
-    log.info("k=%d run %d %s: %.1f tokens/s", k, run["run"], run["dataset"], run["tokens_per_s"])
+    results = run_engines(
+        request,
+        dict(zip(ks, snakemake.output, strict=True)),
+        settings.get("reserved_cpus"),
+    )
+for k, result in results.items():
+    for run in result["runs"]:
+        log.info(
+            "k=%d run %d %s: %.1f tokens/s", k, run["run"], run["dataset"], run["tokens_per_s"]
+        )

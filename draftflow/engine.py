@@ -318,6 +318,11 @@ _HINTS = (
 
 
 def start_hint(cause: str) -> str:
+    import importlib.util
+
+    if "failed to be inspected" in cause and importlib.util.find_spec("torchvision") is None:
+        # vLLM inspects the class in a subprocess whose ImportError may not reach this log.
+        cause += " (torchvision is not installed)"
     return "".join(hint for text, hint in _HINTS if text in cause)
 
 

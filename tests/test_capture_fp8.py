@@ -229,14 +229,18 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
         # fp8's 3 mantissa bits cost a little cosine against bf16, never the threshold.
         assert stats["mean"] > 0.998, layer
         assert stats["mean"] <= bf16_manifest["verification"]["per_layer"][layer]["mean"] + 1e-4
-    # The fp8 store is the bf16 capture quantized: same engine, same states.
+    # The fp8 store is the bf16 capture quantized. Two calls of one CPU engine need not give
+    # the same bf16 bits (issue 17), so compare values, not bytes: every token's scale within a
+    # few bf16 steps of the bf16 capture's, every dequantized token pointing the same way.
     bf16_reader, fp8_reader = ShardReader(bf16_dir), ShardReader(fp8_dir)
     for i in range(len(lengths)):
-        quantized, scales = quantize_fp8(bf16_reader.get(i)["hidden_states"])
-        assert torch.equal(fp8_reader.get(i)["hidden_scales"], scales)
-        assert torch.equal(
-            fp8_reader.get(i)["hidden_states"].view(torch.uint8), quantized.view(torch.uint8)
-        )
+        reference = bf16_reader.get(i)["hidden_states"].float()
+        stored = fp8_reader.get(i)
+        _, scales = quantize_fp8(reference)
+        torch.testing.assert_close(stored["hidden_scales"], scales, rtol=0.02, atol=0.0)
+        back = dequantize(stored["hidden_states"], stored["hidden_scales"], torch.float32)
+        cosine = torch.nn.functional.cosine_similarity(back, reference, dim=-1)
+        assert cosine.min() > 0.99, (i, cosine.min())
 
     def chunk_bytes(directory: Path) -> int:
         return sum(p.stat().st_size for p in directory.glob("chunk-*.safetensors"))

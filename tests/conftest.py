@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,39 @@ def family_targets(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
         return built[family]
 
     return build
+
+
+class SmallFilesystems:
+    """Real file systems of given sizes (tmpfs) under ``root``; mounting needs the right to."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mounted: list[Path] = []
+
+    def __call__(self, size_bytes: int) -> Path:
+        point = self.root / f"fs{len(self.mounted)}"
+        point.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        self.mounted.append(point)
+        return point
+
+    def resize(self, point: Path, size_bytes: int) -> None:
+        """Grow (free space on) or shrink a mounted file system, keeping its files."""
+        subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(point)], check=True)
+
+    def unmount_all(self) -> None:
+        for point in self.mounted:
+            subprocess.run(["umount", str(point)], check=True)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path):
+    filesystems = SmallFilesystems(tmp_path)
+    yield filesystems
+    filesystems.unmount_all()

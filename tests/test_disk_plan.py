@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import os
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -18,8 +20,9 @@ from draftflow.capture.plan import (
     format_plan,
     plan_extract,
 )
-from draftflow.capture.store import ShardReader, ShardWriter
+from draftflow.capture.store import CorruptShardError, ShardReader, ShardWriter
 from draftflow.data.samples import samples_table, write_samples
+from draftflow.io import DiskFullError
 
 LAYERS = CaptureLayers(num_hidden_layers=8, hidden_size=48, aux_layer_ids=[2, 4, 5])
 
@@ -111,29 +114,6 @@ def write_shard(path: Path, lengths: list[int]) -> None:
     write_samples(path, samples_table(ids, prompts, masks))
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A real file system of a given size (tmpfs); needs the right to mount."""
-    mounted: list[Path] = []
-
-    def make(size_bytes: int) -> Path:
-        point = tmp_path / f"fs{len(mounted)}"
-        point.mkdir()
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield make
-    for point in mounted:
-        subprocess.run(["umount", str(point)], check=True)
-
-
 def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
     tmp_path, smollm2_dir, small_filesystem
 ):
@@ -186,6 +166,66 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
     tensors, everything = store_bytes(out)
     assert tensors == plan["tensor_bytes"] and everything <= need
     assert ShardReader(out).hidden_states(0).shape == (300, 4, 576)
+
+
+def fill_when(first: Path, filler: Path, stop: threading.Event) -> threading.Thread:
+    """Another writer: once ``first`` appears, ``filler`` takes every free byte of its disk."""
+
+    def run() -> None:
+        while not stop.is_set():
+            if first.exists():
+                with open(filler, "wb") as handle:
+                    free = os.statvfs(filler).f_bavail * os.statvfs(filler).f_frsize
+                    os.posix_fallocate(handle.fileno(), 0, free)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_extract_on_a_disk_that_fills_mid_run_keeps_its_chunks_and_resumes_to_the_same_bytes(
+    tmp_path, smollm2_dir, small_filesystem
+):
+    """A real extract job (transformers backend); another writer fills its disk after chunk 0."""
+    shard = tmp_path / "shard-00000.parquet"
+    lengths = [int(n) for n in torch.randint(40, 160, (16,), generator=torch.Generator())]
+    write_shard(shard, lengths)
+    settings = ExtractSettings(
+        backend="hf", chunk_samples=1, disk_margin_mb=0, verify=VerifySettings(fraction=0.1)
+    )
+    reference = run_extract(shard, smollm2_dir, tmp_path / "reference", settings)
+
+    layers = capture_layers(smollm2_dir)
+    plan = plan_extract(
+        shard_manifest({"train": lengths}), layers, "bfloat16", 1, tmp_path, margin_bytes=0
+    )
+    disk = small_filesystem(plan["total_bytes"] * 2)
+    out = disk / "extract" / "train" / "shard-00000"
+    filler, stop = disk / "another-job.bin", threading.Event()
+    thread = fill_when(partial_dir(out) / "chunk-00000.safetensors", filler, stop)
+    try:
+        with pytest.raises(DiskFullError) as full:
+            run_extract(shard, smollm2_dir, out, settings)
+    finally:
+        stop.set()
+        thread.join()
+    message = str(full.value)
+    assert "no space left on the file system of" in message and str(disk) in message
+    assert "chunk-000" in message and "it needs" in message and "rerun" in message
+    # Nothing partial: complete chunks only, no temporary file, no store a reader accepts.
+    kept = sorted(p.name for p in partial_dir(out).iterdir())
+    assert "chunk-00000.safetensors" in kept and not [n for n in kept if n.endswith(".tmp")]
+    assert len([n for n in kept if n.startswith("chunk-")]) < len(lengths)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(CorruptShardError, match="is missing"):
+        ShardReader(out)
+
+    # Space freed: the rerun keeps the finished chunks and ends with the reference's bytes.
+    filler.unlink()
+    resumed = run_extract(shard, smollm2_dir, out, settings)
+    assert resumed["files"] == reference["files"]
 
 
 @pytest.mark.workflow

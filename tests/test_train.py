@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.capture.store import ShardWriter
-from draftflow.io import sha256_file
+from draftflow.io import DiskFullError, sha256_file
 from draftflow.train.checkpoint import latest_checkpoint
 from draftflow.train.job import TrainJob
 from draftflow.train.loop import train
@@ -293,6 +293,42 @@ def test_killed_run_resumes_bit_identical(tiny_store, tmp_path):
     # The metrics log reads as one run: every step once.
     steps = [r["step"] for r in read_metrics(resumed.metrics_path) if r["kind"] == "train"]
     assert steps == list(range(1, len(steps) + 1))
+
+
+def test_train_on_a_disk_that_fills_keeps_its_checkpoint_and_resumes_to_the_same_bytes(
+    tiny_store, tmp_path, small_filesystem
+):
+    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 6}
+    reference = _job(tiny_store, tmp_path / "reference", **settings)
+    train(reference)
+    checkpoint = latest_checkpoint(reference.checkpoint_dir)
+    checkpoint_bytes = sum(p.stat().st_size for p in checkpoint.iterdir())
+
+    # Room for the first checkpoint, not for the second beside it.
+    disk = small_filesystem(checkpoint_bytes * 8 // 5)
+    job = _job(tiny_store, disk, **settings)
+    with pytest.raises(DiskFullError) as full:
+        train(job)
+    message = str(full.value)
+    assert f"checkpoints/step-00000008 ({disk})" in message
+    assert "it needs" in message and "rerun" in message
+    # Nothing partial: the first checkpoint whole, no staging directory, no draft.
+    assert latest_checkpoint(job.checkpoint_dir).name == "step-00000004"
+    assert sorted(p.name for p in Path(job.checkpoint_dir).iterdir()) == [
+        "latest.json",
+        "step-00000004",
+    ]
+    assert not Path(job.draft_dir).exists()
+
+    # Space freed: the rerun resumes from step 4 and ends where the uninterrupted run did.
+    small_filesystem.resize(disk, checkpoint_bytes * 6)
+    train(job)
+    assert sha256_file(Path(job.draft_dir) / "model.safetensors") == sha256_file(
+        Path(reference.draft_dir) / "model.safetensors"
+    )
+    assert _untimed(read_metrics(job.metrics_path)) == _untimed(
+        read_metrics(reference.metrics_path)
+    )
 
 
 @pytest.mark.vllm

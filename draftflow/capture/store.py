@@ -264,7 +264,19 @@ class ShardWriter:
 
     def _finish_oldest(self) -> None:
         name, future = self._pending.pop(0)
-        self._digests[name] = future.result()  # a failed write raises here
+        try:
+            self._digests[name] = future.result()  # a failed write raises here
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A write failed: let the others end (each removes its temporary file), write no more."""
+        for _, future in self._pending:
+            future.exception()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+        self._closed = True
 
     def wait_written(self) -> None:
         """Block until every full chunk handed over so far is on disk (or raise its error)."""
@@ -340,7 +352,8 @@ def _write_chunk(
             "hidden_states": [states for states, _ in quantized],
             SCALES_NAME: [scales for _, scales in quantized],
         }
-    with atomic_path(final) as tmp:
+    size = sum(piece.numel() * piece.element_size() for group in pieces.values() for piece in group)
+    with atomic_path(final, size=size) as tmp:
         return write_safetensors(tmp, pieces, metadata)
 
 

@@ -99,17 +99,18 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    with staged_dir(final) as tmp:
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in model_state.items()},
-            str(tmp / "model.safetensors"),
-        )
-        opt_tensors = rng_tensors()
-        opt_meta = []
-        for index, optimizer in enumerate(optimizers):
-            tensors, meta = flatten_optimizer(index, optimizer.state_dict())
-            opt_tensors.update(tensors)
-            opt_meta.append(meta)
+    model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items()}
+    opt_tensors = rng_tensors()
+    opt_meta = []
+    for index, optimizer in enumerate(optimizers):
+        tensors, meta = flatten_optimizer(index, optimizer.state_dict())
+        opt_tensors.update(tensors)
+        opt_meta.append(meta)
+    size = sum(
+        t.numel() * t.element_size() for t in [*model_tensors.values(), *opt_tensors.values()]
+    )
+    with staged_dir(final, size=size) as tmp:
+        save_file(model_tensors, str(tmp / "model.safetensors"))
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         atomic_write_json(tmp / "state.json", {**state, "step": step, "optimizers": opt_meta})
     atomic_write_json(root / LATEST, {"step": step, "dir": final.name})

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from draftflow.io import atomic_write_text, explain_disk_full
 from draftflow.train.distributed import Placement
 from draftflow.train.settings import TrainSettings
 
@@ -54,14 +55,23 @@ class MetricsLog:
         kept: list[str] = []
         if keep_before > 0 and self.path.exists():
             for line in self.path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= keep_before:
+                record = _parsed(line)
+                if record is not None and record["step"] <= keep_before:
                     kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: StepMetrics) -> None:
         if self.enabled:
-            with self.path.open("a", encoding="utf-8") as handle:
+            with explain_disk_full(self.path), self.path.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def _parsed(line: str) -> StepMetrics | None:
+    """A record, or None for a blank line or the torn last line of a job killed mid-write."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:

@@ -100,6 +100,67 @@ class _Wrapper(torch.nn.Module):
         self.text_stack.decoder = _Block(3)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25"])
+def test_verification_up_to_a_layer_loads_only_the_layers_below(family, family_targets, tmp_path):
+    """extract.verify.max_layer: the low layers checked against the target cut to its first
+    layers (what a target too large for one device gets, e.g. config/examples/kimi-k2.5-8gpu)."""
+    from draftflow.capture.backends.hf import HFBackend
+    from draftflow.capture.store import ShardWriter
+    from draftflow.capture.verify import verify_shard
+
+    target = family_targets(family)
+    layers = capture_layers(target)
+    prompts = make_prompts([20, 33, 9], seed=2)
+    full = make_backend("hf", target, layers.layer_ids, EngineSettings(64))
+    try:
+        states = full.capture(prompts)
+    finally:
+        full.close()
+    low = layers.aux_layer_ids[0]
+    cut = HFBackend(target, [low], EngineSettings(64), num_layers=low)
+    try:
+        # A prefix of the decoder, with the full model's states at its top.
+        assert cut.num_layers == low < full.num_layers
+        (top,) = cut.capture(prompts[:1])
+        assert torch.allclose(top[:, 0], states[0][:, 0], atol=1e-5)
+    finally:
+        cut.close()
+
+    def store(name: str, flip_column: int | None) -> str:
+        writer = ShardWriter(
+            tmp_path / name,
+            layer_ids=layers.layer_ids,
+            aux_layer_ids=layers.aux_layer_ids,
+            hidden_size=layers.hidden_size,
+            meta={"test": name},
+            chunk_samples=2,
+        )
+        for i, (ids, sample) in enumerate(zip(prompts, states, strict=True)):
+            sample = sample.clone()
+            if flip_column is not None:
+                sample[:, flip_column] = -sample[:, flip_column]
+            writer.add(f"s{i}", torch.tensor(ids), torch.ones(len(ids)), sample)
+        writer.close()
+        return str(tmp_path / name)
+
+    check = {
+        "fraction": 1.0,
+        "min_mean_cosine": THRESHOLDS.min_mean_cosine,
+        "min_p01_cosine": THRESHOLDS.min_p01_cosine,
+        "settings": EngineSettings(64),
+        "max_layer": low,
+    }
+    passed = verify_shard(store("right", None), target, **check)
+    assert passed["passed"] and list(passed["per_layer"]) == [str(low)]
+    assert passed["reference"] == f"hf float32, first {low} layers"
+    # A wrong row at a checked layer fails; the layers above max_layer are not looked at.
+    failed = verify_shard(store("wrong-low", 0), target, **check)
+    assert not failed["passed"] and failed["failures"][0].startswith(f"layer {low}: mean")
+    assert verify_shard(store("wrong-high", len(layers.layer_ids) - 1), target, **check)["passed"]
+    with pytest.raises(ValueError, match="below every captured layer"):
+        verify_shard(store("any", None), target, **{**check, "max_layer": low - 1})
+
+
 def test_decoder_search_falls_back_to_structure_and_names_what_it_tried():
     found = find_decoder(_Wrapper(), num_layers=3)
     assert found.path == "text_stack.decoder" and found.num_layers == 3

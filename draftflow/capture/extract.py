@@ -46,6 +46,9 @@ class VerifySettings:
     min_p01_cosine: float = 0.95
     # Reference compute dtype of the hf recomputation.
     dtype: str = "float32"
+    # Check only the captured layers up to this id, with the target cut to its first layers
+    # (None = all layers, the whole target loaded).
+    max_layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,7 @@ def run_extract(
         fraction=verify.fraction,
         min_mean_cosine=verify.min_mean_cosine,
         min_p01_cosine=verify.min_p01_cosine,
+        max_layer=verify.max_layer,
         settings=EngineSettings(
             max_model_len=engine.max_model_len,
             hf_dtype=verify.dtype,

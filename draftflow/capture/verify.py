@@ -54,6 +54,18 @@ def pick_samples(num_samples: int, fraction: float) -> list[int]:
     return sorted({round(i * (num_samples - 1) / max(1, count - 1)) for i in range(count)})
 
 
+def verified_layers(layer_ids: list[int], max_layer: int | None) -> tuple[list[int], list[int]]:
+    """(store columns, layer ids) the verification compares: all, or those up to ``max_layer``."""
+    if max_layer is None:
+        return list(range(len(layer_ids))), list(layer_ids)
+    kept = [(column, i) for column, i in enumerate(layer_ids) if i <= max_layer]
+    if not kept:
+        raise ValueError(
+            f"extract.verify.max_layer {max_layer} is below every captured layer {layer_ids}"
+        )
+    return [column for column, _ in kept], [i for _, i in kept]
+
+
 def verify_shard(
     shard_dir: str | os.PathLike[str],
     model_dir: str | os.PathLike[str],
@@ -62,29 +74,39 @@ def verify_shard(
     min_mean_cosine: float,
     min_p01_cosine: float,
     settings: EngineSettings,
+    max_layer: int | None = None,
 ) -> dict:
-    """Recompute some samples with the hf backend and compare; returns the results (+ passed)."""
+    """Recompute some samples with the hf backend and compare; returns the results (+ passed).
+
+    ``max_layer``: compare only the captured layers up to that id, against the target cut to
+    its first layers (a target too large to load whole still gets its low layers checked).
+    """
     from draftflow.capture.backends.hf import HFBackend
 
     reader = ShardReader(shard_dir)
-    layer_ids = reader.layer_ids
+    columns, layer_ids = verified_layers(reader.layer_ids, max_layer)
+    num_layers = layer_ids[-1] if max_layer is not None else None
+    reference_name = f"hf {settings.hf_dtype}" + (
+        f", first {num_layers} layers" if num_layers is not None else ""
+    )
     indices = pick_samples(len(reader), fraction)
     if not indices:  # an empty shard: nothing to compare
         return {
-            "reference": f"hf {settings.hf_dtype}",
+            "reference": reference_name,
             "samples": [],
             "num_tokens": 0,
             "per_layer": {},
             "failures": [],
             "passed": True,
         }
-    reference_backend = HFBackend(model_dir, layer_ids, settings)
+    reference_backend = HFBackend(model_dir, layer_ids, settings, num_layers=num_layers)
     cosines = []
     try:
         for index in indices:
             input_ids = reader.get(index)["input_ids"]
             (reference,) = reference_backend.capture([input_ids.tolist()])
-            cosines.append(token_cosines(reader.hidden_states(index), reference))
+            captured = reader.hidden_states(index)[:, columns]
+            cosines.append(token_cosines(captured, reference))
     finally:
         reference_backend.close()
     per_layer = cosine_summary(torch.cat(cosines), layer_ids)
@@ -95,7 +117,7 @@ def verify_shard(
         if values[stat] < threshold
     ]
     result = {
-        "reference": f"hf {settings.hf_dtype}",
+        "reference": reference_name,
         "store_dtype": reader.store_dtype,
         "samples": [reader.sample_ids[i] for i in indices],
         "num_tokens": int(sum(c.shape[0] for c in cosines)),

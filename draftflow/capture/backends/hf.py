@@ -40,18 +40,29 @@ PADDED_BATCH_ATTENTION = {
 }
 
 
-def load_target(model_dir: str | os.PathLike[str], dtype: torch.dtype, trust_remote_code: bool):
+def load_target(
+    model_dir: str | os.PathLike[str],
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    num_layers: int | None = None,
+):
     """The target as transformers builds it: a causal LM, else (multimodal wrappers such as
-    Llava, Mistral3, Qwen-VL) an image-text-to-text model; the error names both tried."""
+    Llava, Mistral3, Qwen-VL) an image-text-to-text model; the error names both tried.
+
+    ``num_layers`` keeps only the first decoder layers (``truncated_config``): the rest of the
+    checkpoint is never read, so a target too large for one device can still be checked below.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if num_layers is not None:
+        truncated_config(config, num_layers)
     tried = []
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
         names = getattr(config, "auto_map", None) or {}
         if type(config) in auto._model_mapping or auto.__name__ in names:
             return auto.from_pretrained(
-                str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code
+                str(model_dir), config=config, dtype=dtype, trust_remote_code=trust_remote_code
             )
         tried.append(auto.__name__)
     raise RuntimeError(
@@ -59,6 +70,22 @@ def load_target(model_dir: str | os.PathLike[str], dtype: torch.dtype, trust_rem
         f"(architectures {getattr(config, 'architectures', None)}) in {' or '.join(tried)}; "
         "the hf backend and the extract job's verification need one"
     )
+
+
+def truncated_config(config, num_layers: int) -> None:
+    """Cut the text model of ``config`` to its first ``num_layers`` decoder layers, in place.
+
+    The residual stream entering layer k depends on layers below k only, so a truncated model
+    gives the full model's states there. Per-layer lists (``layer_types``) are cut alike.
+    """
+    text = config.get_text_config()
+    total = int(text.num_hidden_layers)
+    if not 0 < num_layers <= total:
+        raise ValueError(f"cannot keep {num_layers} of the target's {total} decoder layers")
+    for name, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) == total and name != "architectures":
+            setattr(text, name, value[:num_layers])
+    text.num_hidden_layers = num_layers
 
 
 class HFBackend:
@@ -77,7 +104,9 @@ class HFBackend:
         *,
         max_batch_tokens: int | None = None,
         max_batch_prompts: int | None = None,
+        num_layers: int | None = None,
     ) -> None:
+        """``num_layers``: load only the first decoder layers (``layer_ids`` must end there)."""
         if settings.hf_dtype not in HF_DTYPES:
             raise ValueError(f"hf dtype {settings.hf_dtype!r}: allowed are {', '.join(HF_DTYPES)}")
         self.layer_ids = list(layer_ids)
@@ -86,7 +115,9 @@ class HFBackend:
             self.max_batch_tokens = max_batch_tokens
         if max_batch_prompts is not None:
             self.max_batch_prompts = max_batch_prompts
-        model = load_target(model_dir, HF_DTYPES[settings.hf_dtype], settings.trust_remote_code)
+        model = load_target(
+            model_dir, HF_DTYPES[settings.hf_dtype], settings.trust_remote_code, num_layers
+        )
         text_config = model.config.get_text_config()
         found = find_decoder(model, getattr(text_config, "num_hidden_layers", None))
         self.decoder = found.module.to(self.device).eval()

@@ -39,6 +39,12 @@ class Stage:
     outputs: tuple[str, ...]
     log: str
     benchmark: str
+    # JSONL outputs whose records carry wall-clock fields: compared without them.
+    timed: tuple[str, ...] = ()
+
+
+# Wall-clock fields: the only ones two runs of a deterministic stage may differ in.
+TIMING_KEYS = {"tokens_per_s"}
 
 
 STAGES = {
@@ -59,14 +65,25 @@ STAGES = {
         ("results/train/draft", "results/train/metrics.jsonl"),
         "logs/train.log",
         "benchmarks/train.tsv",
+        timed=("results/train/metrics.jsonl",),
     ),
     "bench": Stage(
         "bench_engines",
-        ("results/bench/engines",),
+        ("results/bench/engines/k*.json",),
         "logs/bench/engines.log",
         "benchmarks/bench/engines.tsv",
     ),
 }
+
+
+def expanded(stage: Stage, reference: Path) -> Stage:
+    """The stage with its output patterns (``k*.json``) expanded in the reference run."""
+    outputs = tuple(
+        str(path.relative_to(reference))
+        for pattern in stage.outputs
+        for path in (sorted(reference.glob(pattern)) if "*" in pattern else [reference / pattern])
+    )
+    return Stage(stage.rule, outputs, stage.log, stage.benchmark, stage.timed)
 
 
 def snakemake(workdir: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -83,16 +100,20 @@ def snakemake(workdir: Path, *args: str, timeout: float = 1800) -> subprocess.Co
 
 
 def digests(workdir: Path, stage: Stage) -> dict[str, str]:
-    """sha256 of every file of the stage's outputs (Snakemake's own markers left out)."""
+    """sha256 of every file of the stage's outputs (Snakemake's own markers left out); timed
+    JSONL files hashed without their wall-clock fields."""
     found = {}
     for output in stage.outputs:
         root = workdir / output
         files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
         for path in files:
-            if path.name != ".snakemake_timestamp":
-                found[str(path.relative_to(workdir))] = hashlib.sha256(
-                    path.read_bytes()
-                ).hexdigest()
+            name = str(path.relative_to(workdir))
+            if path.name == ".snakemake_timestamp":
+                continue
+            data = path.read_bytes()
+            if name in stage.timed:
+                data = json.dumps(_untimed_records(path), sort_keys=True).encode()
+            found[name] = hashlib.sha256(data).hexdigest()
     return found
 
 
@@ -114,7 +135,7 @@ def within_tolerance(name: str, reference: Path, rerun: Path) -> bool:
                 return False
         return True
     if name == "train":
-        untimed = [_untimed_metrics(d / "results/train/metrics.jsonl") for d in (reference, rerun)]
+        untimed = [_untimed_records(d / "results/train/metrics.jsonl") for d in (reference, rerun)]
         return untimed[0] == untimed[1]
     if name == "regenerate":
         ids = [
@@ -133,9 +154,9 @@ def _cosine(a, b):
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
-def _untimed_metrics(path: Path) -> list[dict]:
+def _untimed_records(path: Path) -> list[dict]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
 def _conversation_ids(path: Path) -> list[str]:
@@ -194,7 +215,7 @@ def clone(source: Path, dest: Path) -> Path:
 
 
 def compare(name: str, reference: Path, rerun: Path) -> str:
-    stage = STAGES[name]
+    stage = expanded(STAGES[name], reference)
     if not all((rerun / output).exists() for output in stage.outputs):
         return "lost"
     if digests(reference, stage) == digests(rerun, stage):
@@ -203,7 +224,7 @@ def compare(name: str, reference: Path, rerun: Path) -> str:
 
 
 def run_stage(name: str, reference: Path, scratch: Path, kills: int, rng: random.Random) -> dict:
-    stage = STAGES[name]
+    stage = expanded(STAGES[name], reference)
     seconds = stage_seconds(reference, stage)
     row: dict = {"stage": name, "reference_seconds": seconds, "kills": []}
     clean = clone(reference, scratch / f"{name}-clean")
@@ -223,7 +244,9 @@ def run_stage(name: str, reference: Path, scratch: Path, kills: int, rng: random
             if unlock.returncode == 0 and rerun.returncode == 0
             else "lost"
         )
-        row["kills"].append({"delay_s": round(delay, 2), "kill": what, "outcome": outcome})
+        row["kills"].append(
+            {"delay_s": round(delay, 2), "kill": what, "outcome": outcome, "dir": str(work)}
+        )
         print(name, attempt, f"{delay:.1f} s", what, outcome, flush=True)
     return row
 
@@ -250,7 +273,13 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--recompare", type=Path, help="an earlier --out: judge its runs' directories again"
+    )
     args = parser.parse_args()
+    if args.recompare is not None:
+        write_result(args, recompare(json.loads(args.recompare.read_text()), args.workdir))
+        return
     reference = args.workdir / "reference"
     if args.tiny is not None and not reference.exists():
         prepare_tiny(reference, args.tiny.resolve())
@@ -259,6 +288,29 @@ def main() -> None:
         sys.exit(f"the reference run failed:\n{done.stderr[-3000:]}")
     rng = random.Random(args.seed)
     rows = [run_stage(n, reference, args.workdir, args.kills, rng) for n in args.stages]
+    if args.out.exists():  # an earlier matrix's other stages are kept
+        earlier = json.loads(args.out.read_text())["stages"]
+        rows = [r for r in earlier if r["stage"] not in args.stages] + rows
+    write_result(args, rows)
+
+
+def recompare(previous: dict, workdir: Path) -> list[dict]:
+    """The outcomes of an earlier matrix judged again from the directories it left."""
+    reference = workdir / "reference"
+    rows = previous["stages"]
+    for row in rows:
+        name = row["stage"]
+        row.setdefault("clean_dir", str(workdir / f"{name}-clean"))
+        if row.get("uninterrupted_rerun") != "lost":
+            row["uninterrupted_rerun"] = compare(name, reference, Path(row["clean_dir"]))
+        for attempt, kill in enumerate(row["kills"]):
+            kill.setdefault("dir", str(workdir / f"{name}-kill{attempt}"))
+            if kill["outcome"] != "lost":
+                kill["outcome"] = compare(name, reference, Path(kill["dir"]))
+    return rows
+
+
+def write_result(args: argparse.Namespace, rows: list[dict]) -> None:
     outcomes = [k["outcome"] for row in rows for k in row["kills"] if k["kill"] == "killed"]
     result = {
         "command": " ".join(sys.argv),

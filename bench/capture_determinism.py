@@ -137,12 +137,16 @@ def measure_hold_cost(backend, prompts: list[list[int]], rounds: int) -> dict:
     runs: dict[bool, list[float]] = {False: [], True: []}
     schedules: dict[bool, set[str]] = {False: set(), True: set()}
     can_hold = backend.hold_first_step
+    first: dict[bool, list[torch.Tensor]] = {}
+    differing: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for hold in (False, True):
             backend.hold_first_step = hold
-            _, schedule, seconds = capture_call(backend, prompts)
+            states, schedule, seconds = capture_call(backend, prompts)
             runs[hold].append(seconds)
             schedules[hold].add(json.dumps(keyless(schedule)))
+            reference = first.setdefault(hold, states)
+            differing[hold].append(compare(reference, states)["differing_fraction"])
     backend.hold_first_step = can_hold
     tokens = sum(map(len, prompts))
     result: dict = {"prompts": len(prompts), "tokens": tokens}
@@ -154,6 +158,9 @@ def measure_hold_cost(backend, prompts: list[list[int]], rounds: int) -> dict:
             "tokens_per_s": round(tokens / median, 1),
             "seconds": [round(x, 3) for x in runs[hold]],
             "distinct_schedules": len(schedules[hold]),
+            # against the first call of the same mode
+            "calls_with_other_bytes": sum(1 for x in differing[hold] if x > 0),
+            "max_differing_fraction": max(differing[hold]),
         }
     for stat in ("median_s", "min_s"):
         ratio = result["held"][stat] / result["free"][stat]

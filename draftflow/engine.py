@@ -354,9 +354,21 @@ def start_hint(cause: str) -> str:
 
 def can_hold_first_step(llm: Any) -> bool:
     """Whether this vLLM can take a whole call before its first step (``generate_as_one_call``):
-    ``LLM.enqueue`` and an engine core in its own process that pauses (vLLM 0.32 has both)."""
+    ``LLM.enqueue``, an engine core in its own process (reached by ``call_utility``) and a
+    scheduler pause with a "keep" mode (vLLM 0.32 has all three)."""
+    import inspect
+
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    return hasattr(llm, "enqueue") and hasattr(core, "call_utility")
+    if not (hasattr(llm, "enqueue") and hasattr(core, "call_utility")):
+        return False
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        return False
+    pause = getattr(EngineCore, "pause_scheduler", None)
+    if pause is None or not hasattr(EngineCore, "resume_scheduler"):
+        return False
+    return "mode" in inspect.signature(pause).parameters
 
 
 def generate_as_one_call(llm: Any, prompts: list, params: list) -> list:

@@ -116,7 +116,7 @@ def deterministic_env(cpu: bool) -> dict[str, str]:
 
     GPUs: ``VLLM_BATCH_INVARIANT=1``, so a prompt's states no longer depend on which prompts share
     its forwards. The CPU build has no such kernels: there the capture keeps each call's forwards
-    fixed instead (``draftflow.capture.backends.hooks.generate_as_one_call``).
+    fixed instead (``generate_as_one_call``, which the GPU capture uses too).
     """
     return {} if cpu else {BATCH_INVARIANT_ENV: "1"}
 

@@ -14,9 +14,14 @@ back) over the same random-token prompts, after a warm-up call:
 vLLM modes load random weights (``load_format: dummy``) from a config.json of the shape:
 ``llama8b`` is Llama-3.1-8B's (32 layers, hidden 4096, vocab 128256), ``smollm2``
 SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the timing.
+``--deterministic`` runs every mode as ``extract.deterministic: true`` does (vLLM's
+batch-invariant kernels, ``VLLM_BATCH_INVARIANT=1``; each engine call's requests all in before
+its first step): its price is the ratio to a run without it (docs/capture.md, "Determinism").
 
     python bench/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
         --modes plain hooks-v1 hooks-v2 native --out docs/results/gpu-capture.json
+    python bench/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \
+        --modes plain hooks-v1 --deterministic --out docs/results/gpu-capture-deterministic.json
 
 Results: docs/benchmarks.md, "GPU capture".
 """
@@ -111,6 +116,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         engine_args={"load_format": "dummy"} if args.mode != "hf" else {},
         hf_dtype="bfloat16",
         device="cuda",
+        deterministic=args.deterministic,
     )
     started = time.perf_counter()
     setup: dict = {}  # what the capture backend's workers report (plain has none)
@@ -118,7 +124,8 @@ def run_mode(args: argparse.Namespace) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = start_engine(capture_engine_kwargs(model_dir, settings), engine_env())
+        env = engine_env(deterministic=args.deterministic)
+        llm = start_engine(capture_engine_kwargs(model_dir, settings), env)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
         def run(batch: list[list[int]], out: Path | None) -> dict:
@@ -179,6 +186,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
         "mode": args.mode,
+        "deterministic": args.deterministic,
         "runner": setup.get("runner", runner),
         "prompts": args.prompts,
         "length": args.length,
@@ -219,6 +227,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-samples", type=int, default=8, help="samples per store chunk")
     parser.add_argument("--call-samples", type=int, default=256, help="samples per engine call")
     parser.add_argument("--write-threads", type=int, default=4)
+    parser.add_argument(
+        "--deterministic", action="store_true", help="as extract.deterministic: true does"
+    )
     parser.add_argument("--out", type=Path, help="JSON file the results are written to")
     return parser.parse_args(argv)
 
@@ -245,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         result = json.loads(lines[-1][len("RESULT ") :])
         results.append(result)
-        print(json.dumps({k: result[k] for k in ("model", "mode", "best_tokens_per_s")}))
+        keys = ("model", "mode", "deterministic", "best_tokens_per_s")
+        print(json.dumps({k: result[k] for k in keys}))
     plain = next((r for r in results if r.get("mode") == "plain" and "error" not in r), None)
     if plain:
         for result in results:

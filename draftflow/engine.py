@@ -74,6 +74,7 @@ def engine_env(
     kv_cache_memory_bytes: int | None = None,
     tensor_parallel_size: int = 1,
     cpu: bool | None = None,
+    deterministic: bool = False,
 ) -> dict[str, str]:
     """Environment for an engine's processes (``cpu``: the platform, None = ask vLLM).
 
@@ -81,7 +82,8 @@ def engine_env(
     (``draftflow.workflow.cpu_threads``; with tensor parallelism one core list per rank, unless
     ``VLLM_CPU_OMP_THREADS_BIND`` is set already), and the KV-cache size where old versions
     ignore the engine argument. GPUs: ``spawn`` for vLLM's worker processes, and vLLM's own sampler where
-    flashinfer is not installed.
+    flashinfer is not installed. ``deterministic`` (``extract.deterministic``): on GPUs vLLM's
+    batch-invariant kernels (``deterministic_env``).
     """
     if model_runner not in MODEL_RUNNERS:
         raise ValueError(f"model_runner {model_runner!r}: allowed are {', '.join(MODEL_RUNNERS)}")
@@ -99,7 +101,31 @@ def engine_env(
             env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if model_runner in _RUNNER_ENV:
         env["VLLM_USE_V2_MODEL_RUNNER"] = _RUNNER_ENV[model_runner]
+    if deterministic:
+        env.update(deterministic_env(cpu))
     return env
+
+
+# vLLM's batch-invariant mode: kernels whose results do not depend on the batch (CUDA and ROCm
+# only; the CPU build's oneDNN GEMMs ignore it).
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def deterministic_env(cpu: bool) -> dict[str, str]:
+    """What ``extract.deterministic`` sets in the engine's environment.
+
+    GPUs: ``VLLM_BATCH_INVARIANT=1``, so a prompt's states no longer depend on which prompts share
+    its forwards. The CPU build has no such kernels: there the capture keeps each call's forwards
+    fixed instead (``generate_as_one_call``, which the GPU capture uses too).
+    """
+    return {} if cpu else {BATCH_INVARIANT_ENV: "1"}
+
+
+def deterministic_summary(env: Mapping[str, str]) -> str:
+    """One line for the log: what determinism an engine with ``env`` runs with."""
+    if env.get(BATCH_INVARIANT_ENV) == "1":
+        return f"{BATCH_INVARIANT_ENV}=1 (vLLM's batch-invariant kernels)"
+    return "no batch-invariant kernels on this platform (vLLM has them for GPUs only)"
 
 
 def engine_kwargs(
@@ -324,6 +350,43 @@ def start_hint(cause: str) -> str:
         # vLLM inspects the class in a subprocess whose ImportError may not reach this log.
         cause += " (torchvision is not installed)"
     return "".join(hint for text, hint in _HINTS if text in cause)
+
+
+def can_hold_first_step(llm: Any) -> bool:
+    """Whether this vLLM can take a whole call before its first step (``generate_as_one_call``):
+    ``LLM.enqueue``, an engine core in its own process (reached by ``call_utility``) and a
+    scheduler pause with a "keep" mode (vLLM 0.32 has all three)."""
+    import inspect
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if not (hasattr(llm, "enqueue") and hasattr(core, "call_utility")):
+        return False
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        return False
+    pause = getattr(EngineCore, "pause_scheduler", None)
+    if pause is None or not hasattr(EngineCore, "resume_scheduler"):
+        return False
+    return "mode" in inspect.signature(pause).parameters
+
+
+def generate_as_one_call(llm: Any, prompts: list, params: list) -> list:
+    """``llm.generate`` whose first step sees every request of the call.
+
+    The engine core runs in its own process and steps as soon as a request arrives, while the
+    driver is still sending the others: how many prompts the first forward holds depends on
+    timing, and on the CPU the bits of a prompt's states depend on its forward's token count
+    (docs/capture.md, "Determinism"). The scheduler is paused ("keep": adds are queued, no step
+    runs) while the requests go in, so each call's forwards follow from its prompts alone.
+    """
+    core = llm.llm_engine.engine_core
+    core.call_utility("pause_scheduler", "keep", False)
+    try:
+        llm.enqueue(prompts, params, use_tqdm=False)
+    finally:
+        core.call_utility("resume_scheduler")
+    return llm.wait_for_completion(use_tqdm=False)
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -49,6 +49,8 @@ ENGINE = EngineSettings(
     # about 880 tokens of KV cache: room for one 641-token request, not for four prefills
     kv_cache_memory_bytes=21_900_000,
     engine_args={**SMALL_CACHE, "long_prefill_token_threshold": 32},
+    # Byte comparisons between calls (resume) hold only with it (docs/capture.md, Determinism).
+    deterministic=True,
 )
 # bf16 capture against an fp32 reference, per layer over all tokens of a call. Measured on these
 # prompts: mean >= 0.9999 and p01 >= 0.9995. The mean is not higher because single tokens with
@@ -181,6 +183,29 @@ def test_repeated_calls_keep_requests_apart(hooks_backend, hf_reference, layers)
     for batch in (prompts, [*reversed(prompts), prompts[0]]):
         captured = hooks_backend.capture(batch)
         assert_close_to(captured, hf_reference.capture(batch), layers.layer_ids)
+
+
+def prompt_places(schedule: list) -> list:
+    """A call's forwards with each file key reduced to its prompt's place in the call."""
+    return [[(key.rpartition("-")[2], count) for key, count in forward] for forward in schedule]
+
+
+@pytest.mark.vllm
+def test_deterministic_calls_give_the_same_bytes_and_forwards(hooks_backend):
+    # The prompts whose bf16 bits differed between two calls in CI: whether the 7-token prompt
+    # shares its forward decides the size of its GEMMs, and with it their kernel.
+    prompts = make_prompts([120, 7, 300, 45, 64], seed=4)
+    runs = []
+    for _ in range(3):
+        states = [s.clone() for s in hooks_backend.capture(prompts)]
+        runs.append((states, prompt_places(hooks_backend.last_stats["schedule"])))
+    first_states, first_schedule = runs[0]
+    # Every request was in before the first step: its forward holds as many as the engine takes.
+    assert len(first_schedule[0]) == ENGINE.max_num_seqs
+    for states, schedule in runs[1:]:
+        assert schedule == first_schedule
+        for a, b in zip(first_states, states, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @pytest.fixture(scope="module")

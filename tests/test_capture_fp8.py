@@ -229,9 +229,10 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
         # fp8's 3 mantissa bits cost a little cosine against bf16, never the threshold.
         assert stats["mean"] > 0.998, layer
         assert stats["mean"] <= bf16_manifest["verification"]["per_layer"][layer]["mean"] + 1e-4
-    # The fp8 store is the bf16 capture quantized. Two calls of one CPU engine need not give
-    # the same bf16 bits, so compare values, not bytes: every token's scale within a
-    # few bf16 steps of the bf16 capture's, every dequantized token pointing the same way.
+    # The fp8 store is the bf16 capture quantized. Without extract.deterministic two calls of one
+    # CPU engine need not give the same bf16 bits (docs/capture.md, "Determinism"), so compare
+    # values, not bytes: every token's scale within a few bf16 steps of the bf16 capture's, every
+    # dequantized token pointing the same way.
     bf16_reader, fp8_reader = ShardReader(bf16_dir), ShardReader(fp8_dir)
     for i in range(len(lengths)):
         reference = bf16_reader.get(i)["hidden_states"].float()

@@ -89,3 +89,16 @@ def test_engine_env_binds_tensor_parallel_ranks(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own binding wins
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(tensor_parallel_size=2, cpu=True)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(tensor_parallel_size=2, cpu=False)
+
+
+def test_deterministic_env_is_batch_invariance_on_gpus_only():
+    from draftflow.engine import deterministic_summary
+
+    gpu = engine_env(cpu=False, deterministic=True)
+    assert gpu["VLLM_BATCH_INVARIANT"] == "1"
+    assert "batch-invariant" in deterministic_summary(gpu)
+    assert "VLLM_BATCH_INVARIANT" not in engine_env(cpu=False)
+    # The CPU build has no batch-invariant kernels: the capture fixes each call's forwards.
+    cpu = engine_env(reserved_cpus=1, cpu=True, deterministic=True)
+    assert cpu == cpu_engine_env(1)
+    assert "no batch-invariant kernels" in deterministic_summary(cpu)

@@ -72,6 +72,12 @@ def test_chunked_out_of_order_and_recomputed_rows_are_filed_by_position(
         assert stats["forwards"] == 3 and stats["requests"] == 3
         assert stats["overwritten_tokens"] == 20  # r1's positions 10..29, filed twice
         assert stats["beyond_prompt_tokens"] == 1
+        # Each forward's requests by file key (here the request id), in batch order.
+        assert stats["schedule"] == [
+            [("r1", 20), ("r2", 7)],
+            [("r3", 4), ("r1", 10)],
+            [("r1", 30), ("r3", 1), ("r2", 1)],
+        ]
         assert requests["r1"]["forwards"] == 3 and requests["r3"]["forwards"] == 2
         for rid, length in lengths.items():
             request = requests[rid]

@@ -66,6 +66,8 @@ class ExtractSettings:
     reserved_cpus: int | None = None
     model_runner: str = "default"
     engine_args: dict = field(default_factory=dict)
+    # Same shard, same bytes (docs/capture.md, "Determinism").
+    deterministic: bool = False
     chunk_samples: int = 64
     store_dtype: str = BF16
     # Free space kept beyond what the store will write (docs/capture.md, "Disk plan").
@@ -88,6 +90,7 @@ class ExtractSettings:
             "reserved_cpus",
             "model_runner",
             "engine_args",
+            "deterministic",
             "chunk_samples",
             "store_dtype",
             "disk_margin_mb",
@@ -157,6 +160,7 @@ def run_extract(
         reserved_cpus=settings.reserved_cpus,
         model_runner=settings.model_runner,
         engine_args=dict(settings.engine_args),
+        deterministic=settings.deterministic,
         trust_remote_code=settings.trust_remote_code,
         hf_dtype=settings.hf_dtype,
         device=settings.device,

@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,10 @@ class _Stats:
     beyond_prompt_tokens: int = 0
     slot_wait_s: float = 0.0
     filing_s: float = 0.0
+    # Per forward, in order: (file key, tokens) of each request in batch order. Which prompts
+    # share a forward changes the bf16 bits of their states on the CPU (docs/capture.md,
+    # "Determinism"), so a call's schedule is kept for comparison.
+    schedule: list[list[tuple[str, int]]] = field(default_factory=list)
 
 
 class StateRecorder:
@@ -214,6 +218,8 @@ class StateRecorder:
                 slot.host[:n].copy_(slot.stage[:n], non_blocking=True)
                 slot.host_positions[:n].copy_(slot.stage_positions[:n], non_blocking=True)
                 slot.copied.record(self._copy_stream)
+        with self._lock:
+            self._stats.schedule.append([(self._key(req_id), count) for req_id, count in layout])
         item = _Queued(slot, n, list(layout), unfiled=len(self._queues))
         for filing in self._queues:
             filing.put(item)
@@ -223,6 +229,11 @@ class StateRecorder:
         if self.current is not None:
             self._free.put(self.current)
             self.current = None
+
+    def _key(self, req_id: str) -> str:
+        """The request's file key (engine ids differ between calls), else the id itself."""
+        request = self._requests.get(req_id)
+        return request.final.stem if request is not None else req_id
 
     # ------------------------------------------------------------ the filing threads
     def _open_request(self, length: int, key: str | None) -> _Request:
@@ -345,6 +356,7 @@ class StateRecorder:
                 "max_forwards_per_request": max((r.forwards for r in requests.values()), default=0),
                 "slot_wait_s": round(stats.slot_wait_s, 4),
                 "filing_s": round(stats.filing_s, 4),
+                "schedule": stats.schedule,
             },
         }
 

@@ -58,6 +58,9 @@ class EngineSettings:
     seed: int = 0
     # vLLM's model runner: "default" (vLLM's choice), "v1" or "v2" (draftflow.engine).
     model_runner: str = "default"
+    # extract.deterministic: the same prompts give the same bits, call after call
+    # (docs/capture.md, "Determinism").
+    deterministic: bool = False
     # Further vllm.LLM(...) arguments (e.g. block_size, long_prefill_token_threshold).
     engine_args: dict = field(default_factory=dict)
     # hf backend: compute dtype ("float32" for the reference, "bfloat16") and device.

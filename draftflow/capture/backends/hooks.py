@@ -27,7 +27,15 @@ from draftflow.capture.adapters import check_hooks_version
 from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
 from draftflow.capture.recorder import STATE_DTYPE
 from draftflow.capture.worker_extension import FILE_KEY
-from draftflow.engine import engine_env, installed_vllm_version, shutdown_engine, start_engine
+from draftflow.engine import (
+    can_hold_first_step,
+    deterministic_summary,
+    engine_env,
+    generate_as_one_call,
+    installed_vllm_version,
+    shutdown_engine,
+    start_engine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +88,28 @@ def map_states(path: str, shape: tuple[int, int, int]) -> torch.Tensor:
 
 
 class _Generation:
-    """``llm.generate`` on a thread; its outputs, or its error re-raised by ``wait()``."""
+    """``llm.generate`` on a thread; its outputs, or its error re-raised by ``wait()``.
 
-    def __init__(self, llm: Any, prompts: list, params: list) -> None:
+    ``as_one_call``: every request enters the engine before its first step.
+    """
+
+    def __init__(self, llm: Any, prompts: list, params: list, as_one_call: bool = False) -> None:
         self.outputs: list = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(llm, prompts, params), name="draftflow-generate", daemon=True
+            target=self._run,
+            args=(llm, prompts, params, as_one_call),
+            name="draftflow-generate",
+            daemon=True,
         )
         self._thread.start()
 
-    def _run(self, llm: Any, prompts: list, params: list) -> None:
+    def _run(self, llm: Any, prompts: list, params: list, as_one_call: bool) -> None:
         try:
-            self.outputs = llm.generate(prompts, params, use_tqdm=False)
+            if as_one_call:
+                self.outputs = generate_as_one_call(llm, prompts, params)
+            else:
+                self.outputs = llm.generate(prompts, params, use_tqdm=False)
         except BaseException as error:
             self._error = error
 
@@ -121,10 +138,18 @@ class HooksBackend:
             model_runner=settings.model_runner,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             tensor_parallel_size=settings.tp_size,
+            deterministic=settings.deterministic,
         )
         self.llm = start_engine(
             {"worker_extension_cls": EXTENSION, **capture_engine_kwargs(model_dir, settings)}, env
         )
+        self.hold_first_step = settings.deterministic and can_hold_first_step(self.llm)
+        if settings.deterministic:
+            log.info(
+                "extract.deterministic: %s; each call's requests enter before its first step: %s",
+                deterministic_summary(env),
+                "yes" if self.hold_first_step else "no (this vLLM cannot pause its scheduler)",
+            )
         replies = self.llm.collective_rpc(
             "draftflow_capture_setup", args=(self.layer_ids, self._tmp.name)
         )
@@ -155,7 +180,7 @@ class HooksBackend:
             )
             for key in keys
         ]
-        run = _Generation(self.llm, prompts, params)
+        run = _Generation(self.llm, prompts, params, as_one_call=self.hold_first_step)
         directory = Path(self._tmp.name)
         checked = False
         try:

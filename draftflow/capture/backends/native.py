@@ -22,7 +22,10 @@ from packaging.version import Version
 
 from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
 from draftflow.engine import (
+    can_hold_first_step,
+    deterministic_summary,
     engine_env,
+    generate_as_one_call,
     installed_vllm_version,
     on_cpu_build,
     shutdown_engine,
@@ -86,8 +89,16 @@ class NativeBackend:
             model_runner=runner,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             tensor_parallel_size=settings.tp_size,
+            deterministic=settings.deterministic,
         )
         self.llm = start_engine(kwargs, env)
+        self.hold_first_step = settings.deterministic and can_hold_first_step(self.llm)
+        if settings.deterministic:
+            log.info(
+                "extract.deterministic: %s; each call's requests enter before its first step: %s",
+                deterministic_summary(env),
+                "yes" if self.hold_first_step else "no (this vLLM cannot pause its scheduler)",
+            )
         self.last_stats: dict = {}
 
     def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -100,7 +111,10 @@ class NativeBackend:
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.hold_first_step:
+            outputs = generate_as_one_call(self.llm, prompts, [params] * len(prompts))
+        else:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for output, ids in zip(outputs, token_ids, strict=True):
             path = (output.kv_transfer_params or {}).get("hidden_states_path")

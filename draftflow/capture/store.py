@@ -328,9 +328,16 @@ class ShardWriter:
         self._chunks.append(list(stream.layout.entries))
 
     def wait_written(self) -> None:
-        """Block until every chunk with all its samples is on disk (or raise its error)."""
+        """Block until every chunk with all its samples is on disk; raise the first error after
+        every one of them has finished (no writer thread outlives a failed call)."""
+        first_error: BaseException | None = None
         while self._pending:
-            self._finish_oldest()
+            try:
+                self._finish_oldest()
+            except BaseException as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def _abort_open(self) -> None:
         open_stream, self._open = self._open, None
@@ -342,17 +349,19 @@ class ShardWriter:
         if self._closed:
             raise RuntimeError("ShardWriter.close() called twice")
         self._closed = True
+        cut_short = self._expected is not None and self._added != len(self._expected)
         try:
-            if self._expected is not None and self._added != len(self._expected):
-                raise ValueError(
-                    f"capture store {self.out_dir}: close() after {self._added} of the "
-                    f"{len(self._expected)} samples announced by expect(); the chunks written "
-                    "so far are kept for a resumed run"
-                )
-            self._flush()
-            self.wait_written()
+            if not cut_short:
+                self._flush()
+            self.wait_written()  # chunks with all their samples are kept, cut short or not
         finally:
             self._abort_open()
+        if cut_short:
+            raise ValueError(
+                f"capture store {self.out_dir}: close() after {self._added} of the "
+                f"{len(self._expected or [])} samples announced by expect(); the complete "
+                "chunks are kept for a resumed run"
+            )
         samples = []
         num_tokens = 0
         for index, entries in enumerate(self._chunks):

@@ -215,8 +215,8 @@ class ChunkStream:
                 prefix=f".{self.final.name}.", suffix=".tmp", dir=self.final.parent
             )
             tmp = Path(tmp_name)
-            os.fchmod(fd, self._mode)
             with os.fdopen(fd, "wb") as handle:
+                os.fchmod(handle.fileno(), self._mode)
                 digest = self._write(handle)
             if digest is None:  # aborted
                 return

@@ -247,3 +247,40 @@ def test_killed_and_resumed_stream_writes_the_same_bytes(tmp_path, store_dtype):
     assert [p.name for p in killed.glob("chunk-*")] == ["chunk-00000.safetensors"]
     write_store(killed, samples, store_dtype, announce=True)
     assert file_bytes(killed) == file_bytes(reference)
+
+
+class ListBackend:
+    """A capture backend that hands over prepared states (the extract loop without an engine)."""
+
+    name = "test"
+
+    def __init__(self, states: dict[tuple[int, ...], torch.Tensor]) -> None:
+        self.states = states
+
+    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        return [self.states[tuple(ids)] for ids in token_ids]
+
+
+def test_the_extract_loop_announces_its_samples_across_engine_calls(tmp_path):
+    """Engine calls of 5 samples over chunks of 4 (bench/gpu_capture.py runs calls of 256 over
+    chunks of 8), from the start and resumed after one chunk: the bytes of a buffered store."""
+    from draftflow.capture.extract import _capture_all
+
+    samples = make_samples(LENGTHS)
+    backend = ListBackend({tuple(s["input_ids"].tolist()): s["hidden_states"] for s in samples})
+    ids = [s["id"] for s in samples]
+    prompts = [s["input_ids"].tolist() for s in samples]
+    masks = [s["loss_mask"].tolist() for s in samples]
+    write_store(tmp_path / "buffered", samples, "bfloat16", announce=False)
+    for name, keep in (("fresh", 0), ("resumed", 1)):
+        out = tmp_path / name
+        out.mkdir()
+        for index in range(keep):
+            chunk = f"chunk-{index:05d}.safetensors"
+            (out / chunk).write_bytes((tmp_path / "buffered" / chunk).read_bytes())
+        writer = new_writer(out, "bfloat16")
+        start = writer.resume_position(ids)
+        assert start == 4 * keep
+        _capture_all(writer, backend, start, ids, prompts, masks, 5)
+        writer.close()
+        assert file_bytes(out) == file_bytes(tmp_path / "buffered"), name

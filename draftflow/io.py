@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,66 +161,4 @@ def sha256_file(path: str | os.PathLike[str], block_size: int = 1 << 20) -> str:
     with open(path, "rb") as handle:
         while block := handle.read(block_size):
             digest.update(block)
-    return digest.hexdigest()
-
-
-# safetensors' dtype names, and the order it lays tensors out in: larger alignment first.
-_SAFETENSORS_DTYPES = {
-    "torch.float32": ("F32", 4),
-    "torch.bfloat16": ("BF16", 2),
-    "torch.float16": ("F16", 2),
-    "torch.int64": ("I64", 8),
-    "torch.int32": ("I32", 4),
-    "torch.int16": ("I16", 2),
-    "torch.int8": ("I8", 1),
-    "torch.uint8": ("U8", 1),
-    "torch.bool": ("BOOL", 1),
-    "torch.float8_e4m3fn": ("F8_E4M3", 1),
-}
-
-
-def write_safetensors(
-    path: str | os.PathLike[str], tensors: dict[str, list[Any]], metadata: dict[str, str]
-) -> str:
-    """Write a safetensors file whose tensor ``name`` is ``torch.cat(pieces)``; return its sha256.
-
-    The same bytes as ``safetensors.torch.save_file`` of the concatenated tensors, but the
-    pieces are streamed to the file (no concatenated copy) and hashed on the way, so the file
-    is never read back for its checksum. Pieces must be CPU tensors of one dtype.
-    """
-    import torch
-
-    layout = []
-    for name, pieces in tensors.items():
-        dtype = pieces[0].dtype
-        code, size = _SAFETENSORS_DTYPES[str(dtype)]
-        if any(p.dtype != dtype or p.shape[1:] != pieces[0].shape[1:] for p in pieces):
-            raise ValueError(f"safetensors {name}: pieces differ in dtype or trailing shape")
-        shape = [sum(int(p.shape[0]) for p in pieces), *map(int, pieces[0].shape[1:])]
-        layout.append((-size, name, code, shape, pieces))
-    layout.sort(key=lambda entry: entry[:2])
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for _, name, code, shape, pieces in layout:
-        nbytes = sum(p.numel() * p.element_size() for p in pieces)
-        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    digest = hashlib.sha256()
-    # Hash on a second thread while this one writes (both release the GIL): a chunk costs the
-    # slower of the two, not their sum. One worker keeps the updates in file order.
-    with open(path, "wb") as handle, ThreadPoolExecutor(1) as hasher:
-        for block in (len(encoded).to_bytes(8, "little"), encoded):
-            handle.write(block)
-            digest.update(block)
-        hashed = []
-        for _, _, _, _, pieces in layout:
-            for piece in pieces:
-                raw = piece.detach().contiguous().view(-1).view(torch.uint8).numpy()
-                view = memoryview(raw)
-                hashed.append(hasher.submit(digest.update, view))
-                handle.write(view)
-        for update in hashed:
-            update.result()
     return digest.hexdigest()

@@ -251,7 +251,9 @@ def _capture_all(
     chunk_samples: int,
 ) -> None:
     """One engine call per chunk; samples go to the store as the backend hands them over (the
-    store writes full chunks on its own threads while the engine goes on)."""
+    store writes each one into its chunk's file on its own threads while the engine goes on:
+    announced up front, every chunk's layout is known before its samples arrive)."""
+    writer.expect((ids[i], len(input_ids[i])) for i in range(start, len(ids)))
     total_tokens = sum(len(x) for x in input_ids[start:])
     progress = tqdm(total=len(ids) - start, desc="extract", unit="sample", mininterval=5)
     began, done_tokens = time.monotonic(), 0

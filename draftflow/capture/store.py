@@ -5,17 +5,20 @@ Layout of a shard directory:
 - ``chunk-NNNNN.safetensors``: ``hidden_states`` ``[T, L, H]`` in the store dtype (bf16, or fp8
   e4m3 with ``hidden_scales`` float32 ``[T, L]`` beside it: ``draftflow/capture/quant.py``),
   ``input_ids`` int32 ``[T]``, ``loss_mask`` int8 ``[T]``; T = the tokens of the chunk's samples
-  concatenated in sample order.
+  concatenated in sample order. The file holds the tensors in that order (states first), as laid
+  out by ``draftflow/capture/chunk_file.py``.
   The chunk's safetensors metadata (one key, ``draftflow``, a JSON string) lists its samples and
   rows, so a restarted job can rebuild the index from the chunks alone.
 - ``index.json``: ``{"samples": [{"id", "chunk", "start", "end"}, ...]}``.
 - ``manifest.json``: sizes, layer ids, provenance and the sha256 of every other file.
 
 Chunk k always holds samples ``[k * chunk_samples, (k + 1) * chunk_samples)`` of the input order,
-so a run that was killed and resumed writes the same bytes as one that was not. Full chunks are
-written by a few threads while the caller goes on adding samples (on a GPU the store must keep
-up with prefill: about 1.4 GB/s of states for an 8B-shaped target); each chunk's sha256 is taken
-from the bytes as they are written.
+so a run that was killed and resumed writes the same bytes as one that was not. Chunks are
+written on their own threads while the caller goes on adding samples (on a GPU the store must
+keep up with prefill: about 1.4 GB/s of states for an 8B-shaped target); each chunk's sha256 is
+taken from the bytes as they are written. A caller that knows the samples' lengths up front
+(``expect()``, as the extract stage does) has each sample written as soon as it is added, so
+closing the store waits for the last sample only, not for the last chunk.
 """
 
 from __future__ import annotations
@@ -25,33 +28,20 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from draftflow.capture.quant import (
-    BF16,
-    SCALE_DTYPE,
-    dequantize,
-    is_scaled,
-    quantize_fp8,
-    torch_dtype,
-)
-from draftflow.io import (
-    atomic_path,
-    atomic_write_json,
-    read_json,
-    sha256_file,
-    write_safetensors,
-)
+from draftflow.capture.chunk_file import SCALES_NAME, ChunkLayout, ChunkStream
+from draftflow.capture.quant import BF16, SCALE_DTYPE, dequantize, is_scaled, torch_dtype
+from draftflow.io import atomic_write_json, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
-CHUNK_FORMAT = "draftflow-capture-chunk/1"
-SCALES_NAME = "hidden_scales"
+# /2: the streamed layout of draftflow/capture/chunk_file.py (states first, small tensors last).
+CHUNK_FORMAT = "draftflow-capture-chunk/2"
 INDEX_NAME = "index.json"
 MANIFEST_NAME = "manifest.json"
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.safetensors$")
@@ -76,6 +66,8 @@ class ShardWriter:
     ``meta`` (model path, model_revision, vllm_version, backend, ...) goes into the manifest and,
     as a fingerprint, into every chunk: chunks written under different settings are discarded on
     resume instead of being mixed in. It must therefore be deterministic (no timestamps).
+    ``write_threads``: chunks that have all their samples and may still be writing, besides
+    the one being filled; ``add()`` waits for the oldest when there would be more.
     """
 
     def __init__(
@@ -119,10 +111,15 @@ class ShardWriter:
         self._seen: set[str] = set()
         self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._closed = False
-        # Chunk writes in flight, oldest first, and the sha256 of every chunk written.
-        self._pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="capture-store")
-        self._max_pending = max(1, write_threads) + 1
-        self._pending: list[tuple[str, Future]] = []
+        # With expect(): the samples announced, the count added so far and the chunk being
+        # filled (its file is written as its samples come).
+        self._expected: list[tuple[str, int]] | None = None
+        self._added = 0
+        self._open: ChunkStream | None = None
+        # Chunks with all their samples still being written, oldest first (at most
+        # write_threads of them besides the open one), and the sha256 of every chunk written.
+        self._max_pending = max(1, write_threads)
+        self._pending: list[ChunkStream] = []
         self._digests: dict[str, str] = {}
         self._recover()
 
@@ -192,6 +189,26 @@ class ShardWriter:
         return len(done)
 
     # ------------------------------------------------------------------ writing
+    def expect(self, samples: Iterable[tuple[str, int]]) -> None:
+        """Declare every sample still to come, as (id, token count) in ``add()`` order.
+
+        With the lengths known, each chunk's file is laid out before its samples arrive and
+        every sample is written as soon as it is added, so ``close()`` is left with the last
+        sample only. Without it, a chunk is written once it is full. Call it before ``add()``.
+        """
+        if self._closed or self._added:
+            raise RuntimeError("ShardWriter.expect() must come before the first add()")
+        if self._expected is not None:
+            raise RuntimeError("ShardWriter.expect() called twice")
+        expected = [(str(sample_id), int(length)) for sample_id, length in samples]
+        for sample_id, length in expected:
+            if length < 1:
+                raise ValueError(f"expected sample {sample_id!r} has {length} tokens")
+        again = sorted(self._seen & {sample_id for sample_id, _ in expected})
+        if again or len({sample_id for sample_id, _ in expected}) != len(expected):
+            raise ValueError(f"expected samples repeat or are already stored: {again[:5]}")
+        self._expected = expected
+
     def add(
         self,
         sample_id: str,
@@ -199,7 +216,11 @@ class ShardWriter:
         loss_mask: torch.Tensor,
         hidden_states: torch.Tensor,
     ) -> None:
-        """Buffer one sample (int32 [T], int8 [T], float [T, L, H]); write a chunk when full."""
+        """Hand over one sample (int32 [T], int8 [T], float [T, L, H]), in input order.
+
+        It is written on the chunk's thread: at once after ``expect()``, else when its chunk is
+        full. Blocks only while ``write_threads`` finished chunks are still being written.
+        """
         if self._closed:
             raise RuntimeError("ShardWriter.add() after close()")
         if sample_id in self._seen:
@@ -218,85 +239,129 @@ class ShardWriter:
                 f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)}, "
                 f"expected [T, L, H] = {list(expected)}"
             )
+        if self._expected is not None:
+            self._check_expected(sample_id, num_tokens)
         self._seen.add(sample_id)
-        self._buffer.append(
-            (
-                sample_id,
-                input_ids.to(torch.int32).cpu(),
-                loss_mask.to(torch.int8).cpu(),
-                # bf16 stores keep the captured tensor (usually a memory map, no copy); fp8
-                # stores quantize on the chunk's writer thread, off the capture's path.
-                hidden_states.detach().cpu()
-                if is_scaled(self.store_dtype)
-                else hidden_states.detach().to(torch.bfloat16).cpu(),
-            )
+        self._added += 1
+        sample = (
+            sample_id,
+            input_ids.to(torch.int32).cpu(),
+            loss_mask.to(torch.int8).cpu(),
+            # bf16 stores keep the captured tensor (usually a memory map, no copy); fp8
+            # stores quantize on the chunk's writer thread, off the capture's path.
+            hidden_states.detach().cpu()
+            if is_scaled(self.store_dtype)
+            else hidden_states.detach().to(torch.bfloat16).cpu(),
         )
-        if len(self._buffer) == self.chunk_samples:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._buffer:
+        if self._expected is None:
+            self._buffer.append(sample)
+            if len(self._buffer) == self.chunk_samples:
+                self._flush()
             return
+        if self._open is None:
+            first = self._added - 1
+            planned = self._expected[first : first + self.chunk_samples]
+            self._open = self._open_chunk(planned)
+        _, ids, mask, states = sample
+        self._open.put(states, ids, mask)
+        if self._open.complete:
+            self._hand_over(self._open)
+            self._open = None
+
+    def _check_expected(self, sample_id: str, num_tokens: int) -> None:
+        assert self._expected is not None
+        position = self._added
+        if position >= len(self._expected):
+            raise ValueError(
+                f"sample {sample_id!r} is one more than the {len(self._expected)} expected"
+            )
+        want_id, want_tokens = self._expected[position]
+        if (sample_id, num_tokens) != (want_id, want_tokens):
+            raise ValueError(
+                f"sample {position} of this run is {sample_id!r} with {num_tokens} tokens; "
+                f"expect() announced {want_id!r} with {want_tokens} tokens"
+            )
+
+    def _open_chunk(self, samples: list[tuple[str, int]]) -> ChunkStream:
+        """Start the next chunk's file from its samples' ids and token counts."""
         entries: list[tuple[str, int, int]] = []
         row = 0
-        for sample_id, ids, _, _ in self._buffer:
-            entries.append((sample_id, row, row + int(ids.shape[0])))
-            row += int(ids.shape[0])
-        pieces = {
-            "hidden_states": [b[3] for b in self._buffer],
-            "input_ids": [b[1] for b in self._buffer],
-            "loss_mask": [b[2] for b in self._buffer],
-        }
+        for sample_id, length in samples:
+            entries.append((sample_id, row, row + length))
+            row += length
         header = {
             **self._identity,
-            "chunk_index": len(self._chunks),
+            "chunk_index": len(self._chunks) + len(self._pending),
             "samples": [list(entry) for entry in entries],
         }
-        final = self.out_dir / chunk_name(len(self._chunks))
-        # One metadata key only: safetensors writes a metadata map in hash order.
-        metadata = {"draftflow": _canonical_json(header)}
-        write = self._pool.submit(_write_chunk, final, pieces, metadata, self.store_dtype)
-        self._pending.append((final.name, write))
-        self._chunks.append(entries)
+        layout = ChunkLayout(
+            entries=tuple(entries),
+            num_layers=len(self.layer_ids),
+            hidden_size=self.hidden_size,
+            store_dtype=self.store_dtype,
+            # One metadata key only: its JSON is canonical, so the header's bytes are too.
+            metadata={"draftflow": _canonical_json(header)},
+        )
+        return ChunkStream(self.out_dir / chunk_name(header["chunk_index"]), layout)
+
+    def _flush(self) -> None:
+        """Write the buffered samples (added without ``expect()``) as the next chunk."""
+        if not self._buffer:
+            return
+        stream = self._open_chunk(
+            [(sample_id, int(ids.shape[0])) for sample_id, ids, _, _ in self._buffer]
+        )
+        for _, ids, mask, states in self._buffer:
+            stream.put(states, ids, mask)
         self._buffer = []
-        while len(self._pending) >= self._max_pending:
+        self._hand_over(stream)
+
+    def _hand_over(self, stream: ChunkStream) -> None:
+        """A chunk has all its samples: let it finish on its thread; keep a bounded number."""
+        self._pending.append(stream)
+        while len(self._pending) > self._max_pending:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        name, future = self._pending.pop(0)
-        try:
-            self._digests[name] = future.result()  # a failed write raises here
-        except BaseException:
-            self._abandon()
-            raise
-
-    def _abandon(self) -> None:
-        """A write failed: let the others end (each removes its temporary file), write no more."""
-        for _, future in self._pending:
-            future.exception()
-        self._pending.clear()
-        self._pool.shutdown(wait=True)
-        self._closed = True
+        stream = self._pending.pop(0)
+        self._digests[stream.final.name] = stream.result()  # a failed write raises here
+        self._chunks.append(list(stream.layout.entries))
 
     def wait_written(self) -> None:
-        """Block until every full chunk handed over so far is on disk (or raise its error)."""
+        """Block until every chunk with all its samples is on disk; raise the first error after
+        every one of them has finished (no writer thread outlives a failed call)."""
+        first_error: BaseException | None = None
         while self._pending:
-            self._finish_oldest()
-
-    def _finish_all(self) -> None:
-        try:
-            while self._pending:
+            try:
                 self._finish_oldest()
-        finally:
-            self._pool.shutdown(wait=True)
+            except BaseException as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def _abort_open(self) -> None:
+        open_stream, self._open = self._open, None
+        if open_stream is not None:
+            open_stream.abort()
 
     def close(self) -> dict:
         """Write the last (short) chunk, then index.json and manifest.json; return the manifest."""
         if self._closed:
             raise RuntimeError("ShardWriter.close() called twice")
-        self._flush()
         self._closed = True
-        self._finish_all()
+        cut_short = self._expected is not None and self._added != len(self._expected)
+        try:
+            if not cut_short:
+                self._flush()
+            self.wait_written()  # chunks with all their samples are kept, cut short or not
+        finally:
+            self._abort_open()
+        if cut_short:
+            raise ValueError(
+                f"capture store {self.out_dir}: close() after {self._added} of the "
+                f"{len(self._expected or [])} samples announced by expect(); the complete "
+                "chunks are kept for a resumed run"
+            )
         samples = []
         num_tokens = 0
         for index, entries in enumerate(self._chunks):
@@ -340,21 +405,6 @@ def scales_description() -> dict:
         "value": "amax of the row / 448 (e4m3's largest finite value): no value saturates",
         "dequantize": "hidden_states.float() * hidden_scales[..., None]",
     }
-
-
-def _write_chunk(
-    final: Path, pieces: dict[str, list[torch.Tensor]], metadata: dict, store_dtype: str
-) -> str:
-    if is_scaled(store_dtype):
-        quantized = [quantize_fp8(states) for states in pieces["hidden_states"]]
-        pieces = {
-            **pieces,
-            "hidden_states": [states for states, _ in quantized],
-            SCALES_NAME: [scales for _, scales in quantized],
-        }
-    size = sum(piece.numel() * piece.element_size() for group in pieces.values() for piece in group)
-    with atomic_path(final, size=size) as tmp:
-        return write_safetensors(tmp, pieces, metadata)
 
 
 def update_manifest(shard_dir: str | os.PathLike[str], fields: dict) -> dict:

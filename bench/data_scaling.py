@@ -39,9 +39,9 @@ MAX_NEW_TOKENS = 192  # corpus.regenerate.max_tokens
 
 
 def _config() -> dict:
-    import yaml
+    from draftflow.config import load_config
 
-    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    return load_config(REPO / "config" / "config.yaml")
 
 
 # ------------------------------------------------------------------ pack (here)
@@ -166,6 +166,7 @@ def data(args: argparse.Namespace) -> None:
     import torch
 
     from draftflow.capture.extract import ExtractSettings, run_extract
+    from draftflow.config import from_section
     from draftflow.data.shard import shard_splits
     from draftflow.data.split import split_samples
     from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
@@ -205,10 +206,10 @@ def data(args: argparse.Namespace) -> None:
 
     mark = time.perf_counter()
     tok, split = config["tokenize"], config["split"]
-    settings = TokenizeSettings(
-        max_length=tok["max_length"],
-        long_samples=tok["long_samples"],
-        max_turns=tok["max_turns"],
+    settings = from_section(
+        TokenizeSettings,
+        tok,
+        "tokenize",
         split_seed=split["seed"],
         val_fraction=split["val_fraction"],
         test_fraction=split["test_fraction"],
@@ -239,7 +240,8 @@ def data(args: argparse.Namespace) -> None:
 
     mark = time.perf_counter()
     extract = {**config["extract"], "backend": "hf", "use_gpu": device == "cuda"}
-    extract_settings = ExtractSettings.from_config(extract)
+    del extract["num_shards"]  # the DAG's, not a capture job's
+    extract_settings = from_section(ExtractSettings, extract, "extract")
     for split_name, paths in shards.items():
         for path in paths:
             run_extract(path, target, work / "extract" / split_name / path.stem, extract_settings)
@@ -284,6 +286,7 @@ def train(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from draftflow.config import from_section
     from draftflow.train.cli import launch
     from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
@@ -295,7 +298,7 @@ def train(args: argparse.Namespace) -> None:
     vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
     section = {**config["train"], **json.loads(args.train_overrides or "{}")}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    settings = TrainSettings.from_config({**section, "device": device})
+    settings = from_section(TrainSettings, section, "train", device=device)
     shard_entries = json.loads((work / "shards.json").read_text())["splits"]["train"]["shards"]
     results = []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -390,9 +393,9 @@ def bench(args: argparse.Namespace) -> None:
             path=entry["path"],
             dataset=entry["name"],
             limit=limit,
-            order=entry.get("order", "file"),
-            seed=entry.get("seed", 0),
-            max_turns=settings.get("max_turns"),
+            order=entry["order"],
+            seed=entry["seed"],
+            max_turns=settings["max_turns"],
         )
     tables = run_benchmark(
         prompt_sets=prompt_sets,
@@ -400,8 +403,8 @@ def bench(args: argparse.Namespace) -> None:
         draft=str(args.draft),
         ks=args.ks,
         out_dir=args.out,
-        reserved_cpus=settings.get("reserved_cpus"),
-        **request_settings(settings, dtype=settings.get("dtype") or config["target"]["dtype"]),
+        reserved_cpus=settings["reserved_cpus"],
+        **request_settings(settings, dtype=settings["dtype"] or config["target"]["dtype"]),
     )
     for name, table in tables.items():
         print(name)

@@ -171,16 +171,16 @@ def unpack(data: Path, work: Path) -> Path:
 
 def train(args: argparse.Namespace) -> None:
     import torch
-    import yaml
 
+    from draftflow.config import from_section, load_config
     from draftflow.train.cli import launch
     from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 
     data = unpack(args.data, args.work)
-    section = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["train"]
-    settings = TrainSettings.from_config(section)
+    section = load_config(REPO / "config" / "config.yaml")["train"]
+    settings = from_section(TrainSettings, section, "train")
     overrides = {"device": args.device, "threads": args.threads}
     if args.epochs is not None:
         overrides["epochs"] = args.epochs

@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 DTYPES = ("bfloat16", "float8_e4m3fn")
 RESULTS = Path("results")
@@ -50,7 +49,9 @@ MASSIVE_FACTOR = 10.0
 
 
 def load_config() -> dict:
-    return yaml.safe_load(Path("config/config.yaml").read_text())
+    from draftflow import config
+
+    return config.load_config(Path("config/config.yaml"))
 
 
 def shard_inputs() -> dict[str, Path]:
@@ -115,11 +116,13 @@ def phase_extract(args: argparse.Namespace) -> dict:
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_extract
+    from draftflow.config import from_section
     from draftflow.data.samples import read_samples
     from draftflow.io import read_json
 
     config = load_config()
-    base = ExtractSettings.from_config(config["extract"])
+    section = {key: value for key, value in config["extract"].items() if key != "num_shards"}
+    base = from_section(ExtractSettings, section, "extract")
     layers = capture_layers(TARGET, base.aux_layers)
     shards = shard_inputs()
     longest = max(
@@ -227,6 +230,7 @@ def phase_compare(args: argparse.Namespace) -> dict:
 
 
 def phase_train(args: argparse.Namespace) -> dict:
+    from draftflow.config import from_section
     from draftflow.train.job import TrainJob
     from draftflow.train.loop import train
     from draftflow.train.settings import TrainSettings
@@ -235,7 +239,7 @@ def phase_train(args: argparse.Namespace) -> dict:
     section = dict(config["train"])
     if args.steps:
         section["max_steps"] = args.steps
-    settings = TrainSettings.from_config(section)
+    settings = from_section(TrainSettings, section, "train")
     work = args.out / args.dtype / "train"
     job = TrainJob(
         target_dir=str(TARGET),
@@ -280,7 +284,7 @@ def phase_bench(args: argparse.Namespace) -> dict:
     bench = config["bench"]
     name = bench["datasets"][0]["name"]
     prompts = read_prompts(RESULTS / "bench" / "prompts" / f"{name}.jsonl")
-    dtype = bench.get("dtype") or config["target"].get("dtype", "bfloat16")
+    dtype = bench["dtype"] or config["target"]["dtype"]
     request = engine_request(
         target=str(TARGET),
         draft=str(args.out / args.dtype / "train" / "draft"),
@@ -289,7 +293,7 @@ def phase_bench(args: argparse.Namespace) -> dict:
         **request_settings(bench, dtype=dtype),
     )
     result = run_engine(
-        request, args.k, args.out / args.dtype / f"bench-k{args.k}.json", bench.get("reserved_cpus")
+        request, args.k, args.out / args.dtype / f"bench-k{args.k}.json", bench["reserved_cpus"]
     )
     return {"dtype": args.dtype, "k": args.k, "dataset": name, "runs": result["runs"]}
 

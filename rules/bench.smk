@@ -20,7 +20,7 @@ rule prompts:
         mem_mb=mem_mb("default"),
     params:
         dataset=bench_dataset,
-        max_turns=config["bench"].get("max_turns"),
+        max_turns=config["bench"]["max_turns"],
         code=stage_code("prompts"),
     script:
         "../scripts/prompts.py"
@@ -48,7 +48,7 @@ rule bench_engines:
         ks=bench_ks(),
         datasets=bench_dataset_names(),
         dtype=bench_dtype(),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
         code=stage_code("bench_engines"),
     script:
         "../scripts/bench_engines.py"

@@ -20,16 +20,12 @@ rule tokenize:
         mem_mb=mem_mb("tokenize"),
     params:
         code=stage_code("tokenize"),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
-        max_length=config["tokenize"].get("max_length", 2048),
-        long_samples=config["tokenize"].get("long_samples", "truncate"),
-        max_turns=config["tokenize"].get("max_turns"),
+        trust_remote_code=config["target"]["trust_remote_code"],
+        tokenize=config["tokenize"],
         # the generation prompt, and so where a turn's mask starts, follows this switch
         enable_thinking=tokenize_enable_thinking(),
         # token_freq counts train samples only, so the split settings belong here too
-        split_seed=config["split"].get("seed", 0),
-        val_fraction=config["split"].get("val_fraction", 0.05),
-        test_fraction=config["split"].get("test_fraction", 0.0),
+        split=config["split"],
     script:
         "../scripts/tokenize.py"
 
@@ -53,9 +49,9 @@ rule split:
         mem_mb=mem_mb("split"),
     params:
         code=stage_code("split"),
-        seed=config["split"].get("seed", 0),
-        val_fraction=config["split"].get("val_fraction", 0.05),
-        test_fraction=config["split"].get("test_fraction", 0.0),
+        seed=config["split"]["seed"],
+        val_fraction=config["split"]["val_fraction"],
+        test_fraction=config["split"]["test_fraction"],
     script:
         "../scripts/split.py"
 

@@ -49,6 +49,6 @@ rule train:
         code=stage_code("train"),
         checkpoint_dir=str(RESULTS / "train" / "checkpoints"),
         train=config["train"],
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     script:
         "../scripts/train.py"

@@ -5,17 +5,18 @@ from draftflow.workflow.script import setup_logging, target_dir
 log = setup_logging(snakemake)
 
 
+from draftflow.config import from_section  # noqa: E402
 from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus  # noqa: E402
 
 params = snakemake.params
-settings = TokenizeSettings(
-    max_length=params.max_length,
-    long_samples=params.long_samples,
-    max_turns=params.max_turns,
+settings = from_section(
+    TokenizeSettings,
+    params.tokenize,
+    "tokenize",
     enable_thinking=params.enable_thinking,
-    split_seed=params.split_seed,
-    val_fraction=params.val_fraction,
-    test_fraction=params.test_fraction,
+    split_seed=params.split["seed"],
+    val_fraction=params.split["val_fraction"],
+    test_fraction=params.split["test_fraction"],
 )
 tokenize_corpus(
     corpus_path=snakemake.input.corpus,

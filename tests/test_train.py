@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.capture.store import ShardWriter
+from draftflow.config import from_section
 from draftflow.io import sha256_file
 from draftflow.train.checkpoint import latest_checkpoint
 from draftflow.train.job import TrainJob
@@ -424,7 +425,7 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
 )
 def test_bad_train_settings_are_named(section, message):
     with pytest.raises(ValueError, match=message):
-        TrainSettings.from_config(section)
+        from_section(TrainSettings, section, "train")
 
 
 def test_sync_free_accuracy_counts_match_speculators():

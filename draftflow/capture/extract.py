@@ -54,7 +54,10 @@ class ExtractSettings:
 
     backend: str = "auto"
     aux_layers: list[int] | None = None
+    use_gpu: bool = False
     tp_size: int = 1
+    # CPU threads of the job (the rule's threads:)
+    threads: int = 2
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.1
@@ -68,32 +71,13 @@ class ExtractSettings:
     # Free space kept beyond what the store will write (docs/capture.md, "Disk plan").
     disk_margin_mb: int = 1024
     hf_dtype: str = "bfloat16"
-    device: str = "cpu"
+    # from the target: section
     trust_remote_code: bool = False
     verify: VerifySettings = field(default_factory=VerifySettings)
 
-    @classmethod
-    def from_config(cls, section: dict, trust_remote_code: bool = False) -> ExtractSettings:
-        known = {
-            "backend",
-            "aux_layers",
-            "tp_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "gpu_memory_utilization",
-            "kv_cache_memory_bytes",
-            "reserved_cpus",
-            "model_runner",
-            "engine_args",
-            "chunk_samples",
-            "store_dtype",
-            "disk_margin_mb",
-            "hf_dtype",
-        }
-        values = {key: section[key] for key in known if section.get(key) is not None}
-        verify = VerifySettings(**(section.get("verify") or {}))
-        device = "cuda" if section.get("use_gpu", False) else "cpu"
-        return cls(**values, device=device, verify=verify, trust_remote_code=trust_remote_code)
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"
 
 
 def model_revision(model_dir: str | os.PathLike[str]) -> str:

@@ -206,14 +206,7 @@ def data(args: argparse.Namespace) -> None:
 
     mark = time.perf_counter()
     tok, split = config["tokenize"], config["split"]
-    settings = from_section(
-        TokenizeSettings,
-        tok,
-        "tokenize",
-        split_seed=split["seed"],
-        val_fraction=split["val_fraction"],
-        test_fraction=split["test_fraction"],
-    )
+    settings = from_section(TokenizeSettings, tok, "tokenize", split=split)
     tokenize_corpus(
         work / "corpus.jsonl",
         target,
@@ -267,6 +260,7 @@ def _subset_vocab(shard_paths: list[Path], vocab_size: int, out: Path, size: int
     import torch
     from safetensors.torch import save_file
 
+    from draftflow.data.tokenize import masked_token_counts
     from draftflow.train.vocab import write_vocab
 
     freq = np.zeros(vocab_size, dtype=np.int64)
@@ -275,8 +269,7 @@ def _subset_vocab(shard_paths: list[Path], vocab_size: int, out: Path, size: int
         for ids, mask in zip(
             table["input_ids"].to_pylist(), table["loss_mask"].to_pylist(), strict=True
         ):
-            ids_array = np.asarray(ids, dtype=np.int64)[np.asarray(mask, dtype=bool)]
-            freq += np.bincount(ids_array, minlength=vocab_size)
+            freq += masked_token_counts(ids, mask, vocab_size)
     freq_path = out.with_name(out.stem + "-freq.safetensors")
     save_file({"token_freq": torch.from_numpy(freq)}, str(freq_path))
     return write_vocab(freq_path, out, out.with_suffix(".json"), draft_vocab_size=size)

@@ -29,7 +29,7 @@ rule prompts:
 rule bench_engines:
     input:
         prompts=bench_prompt_files(),
-        draft=bench_draft_dir(),
+        draft=draft_dir(),
         target=target_info(),
     output:
         bench_engine_results(),

@@ -1,5 +1,4 @@
 # Shared glue: config validation, paths, and every input function the rules call by name.
-import json
 import re
 from pathlib import Path
 
@@ -182,7 +181,8 @@ def bench_threads():
     return 2
 
 
-def bench_draft_dir():
+def draft_dir():
+    """The trained draft (speculators format), exported by train."""
     return str(RESULTS / "train" / "draft")
 
 

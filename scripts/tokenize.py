@@ -14,13 +14,10 @@ settings = from_section(
     params.tokenize,
     "tokenize",
     enable_thinking=params.enable_thinking,
-    split_seed=params.split["seed"],
-    val_fraction=params.split["val_fraction"],
-    test_fraction=params.split["test_fraction"],
+    split=params.split,
 )
 tokenize_corpus(
     corpus_path=snakemake.input.corpus,
-    # The prepared target's description file lies inside its checkpoint directory.
     target_dir=target_dir(snakemake),
     samples_path=snakemake.output.samples,
     token_freq_path=snakemake.output.token_freq,

@@ -17,7 +17,6 @@ settings = from_section(TrainSettings, snakemake.params.train, "train")
 if settings.threads == 0:
     settings = dataclasses.replace(settings, threads=snakemake.threads)
 job = TrainJob(
-    # The prepared target's info file sits in (and is written last into) the target directory.
     target_dir=str(target_dir(snakemake)),
     vocab_path=snakemake.input.vocab,
     train_shards=list(snakemake.input.train),

@@ -112,7 +112,7 @@ def compare_stores(bf16_dir: Path, fp8_dir: Path, layer_ids: list[int]) -> dict:
 
 
 def phase_extract(args: argparse.Namespace) -> dict:
-    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.backends import make_backend
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_extract
@@ -128,20 +128,7 @@ def phase_extract(args: argparse.Namespace) -> dict:
     longest = max(
         max(map(len, read_samples(p).column("input_ids").to_pylist())) for p in shards.values()
     )
-    backend = make_backend(
-        "hooks",
-        TARGET,
-        layers.layer_ids,
-        EngineSettings(
-            max_model_len=longest + 1,
-            max_num_batched_tokens=base.max_num_batched_tokens,
-            max_num_seqs=base.max_num_seqs,
-            kv_cache_memory_bytes=base.kv_cache_memory_bytes,
-            gpu_memory_utilization=base.gpu_memory_utilization,
-            reserved_cpus=base.reserved_cpus,
-            engine_args=dict(base.engine_args),
-        ),
-    )
+    backend = make_backend("hooks", TARGET, layers.layer_ids, base.engine(longest + 1))
     runs = []
     try:
         for split, shard in shards.items():

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_stores import StoreShape, open_writer
 from safetensors.torch import load_file
 
-from draftflow.capture.store import ShardWriter
 from draftflow.config import from_section
 from draftflow.io import sha256_file
 from draftflow.train.checkpoint import latest_checkpoint
@@ -100,16 +100,8 @@ def _greedy_continuations(model, tokenizer, texts: list[str]) -> list[tuple[torc
 def _capture(model, tokenizer, prompts: list[str], out_dirs: list[Path], layer_ids, aux_ids):
     """Greedy continuations of the target, then its hidden states, into len(out_dirs) shards."""
     hidden_size = model.config.hidden_size
-    writers = [
-        ShardWriter(
-            d,
-            layer_ids=layer_ids,
-            aux_layer_ids=aux_ids,
-            hidden_size=hidden_size,
-            meta={"backend": "test-hf"},
-        )
-        for d in out_dirs
-    ]
+    shape = StoreShape(layer_ids, aux_ids, hidden_size)
+    writers = [open_writer(d, shape, {"backend": "test-hf"}) for d in out_dirs]
     freq = torch.zeros(model.config.vocab_size, dtype=torch.int64)
     final_pre_norm: list[torch.Tensor] = []
     # transformers' hidden_states[L] is after the final norm: take its input instead.

@@ -79,6 +79,23 @@ class ExtractSettings:
     def device(self) -> str:
         return "cuda" if self.use_gpu else "cpu"
 
+    def engine(self, max_model_len: int) -> EngineSettings:
+        """The capture engine's settings for samples of up to ``max_model_len`` - 1 tokens."""
+        return EngineSettings(
+            max_model_len=max_model_len,
+            tp_size=self.tp_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            reserved_cpus=self.reserved_cpus,
+            model_runner=self.model_runner,
+            engine_args=dict(self.engine_args),
+            trust_remote_code=self.trust_remote_code,
+            hf_dtype=self.hf_dtype,
+            device=self.device,
+        )
+
 
 def model_revision(model_dir: str | os.PathLike[str]) -> str:
     """The prepared target's content hash (``draftflow_target.json``), else one computed here."""
@@ -127,21 +144,8 @@ def run_extract(
         "input": shard_path.name,
         "input_sha256": sha256_file(shard_path),
     }
-    engine = EngineSettings(
-        # One spare position: vLLM wants room for the one token it samples.
-        max_model_len=max((len(ids_) for ids_ in input_ids), default=1) + 1,
-        tp_size=settings.tp_size,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-        reserved_cpus=settings.reserved_cpus,
-        model_runner=settings.model_runner,
-        engine_args=dict(settings.engine_args),
-        trust_remote_code=settings.trust_remote_code,
-        hf_dtype=settings.hf_dtype,
-        device=settings.device,
-    )
+    # One spare position: vLLM wants room for the one token it samples.
+    engine = settings.engine(max((len(ids_) for ids_ in input_ids), default=1) + 1)
     work = partial_dir(out_dir)
     writer = ShardWriter(
         work,

@@ -54,7 +54,7 @@ rule bench_engines:
         "../scripts/bench_engines.py"
 
 
-rule bench:
+rule bench_table:
     input:
         engines=bench_engine_results(),
     output:
@@ -73,6 +73,6 @@ rule bench:
     resources:
         mem_mb=mem_mb("default"),
     params:
-        code=stage_code("bench"),
+        code=stage_code("bench_table"),
     script:
-        "../scripts/bench.py"
+        "../scripts/bench_table.py"

@@ -15,10 +15,10 @@ transformers).
 
 Subcommands::
 
-    python bench/data_scaling.py pack --conversations 12000 --out .gpu-scale       # here
-    python bench/data_scaling.py data --pack .gpu-scale --work W                    # on the GPU
-    python bench/data_scaling.py train --work W --shards 1 4 16 --out OUT           # on the GPU
-    python bench/data_scaling.py draft --weights OUT/draft-16.safetensors ...       # here
+    python studies/data_scaling.py pack --conversations 12000 --out .gpu-scale       # here
+    python studies/data_scaling.py data --pack .gpu-scale --work W                    # on the GPU
+    python studies/data_scaling.py train --work W --shards 1 4 16 --out OUT           # on the GPU
+    python studies/data_scaling.py draft --weights OUT/draft-16.safetensors ...       # here
 
 ``pack`` writes the GGUF in two halves (``part-a`` and ``part-b`` folders), so each part can be
 copied to a GPU node on its own where transfers are size-limited; ``data`` joins them.
@@ -371,7 +371,7 @@ def draft(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ bench (here)
 def bench(args: argparse.Namespace) -> None:
-    """The bench rule's engines (vLLM, config.yaml's ``bench:`` settings) for one draft."""
+    """The bench_engines rule's engines (vLLM, config.yaml's ``bench:`` settings) for one draft."""
     from draftflow.bench.prompts import load_prompts
     from draftflow.bench.run import request_settings
     from draftflow.bench.suite import run_benchmark

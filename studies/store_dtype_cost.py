@@ -17,12 +17,12 @@ command and writes one JSON under ``--out``; ``report`` gathers them into one fi
 
 Usage (docs/benchmarks.md, "fp8 capture store")::
 
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py extract --out results/dtype-cost
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py train --dtype bfloat16 --steps 200
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py train --dtype float8_e4m3fn --steps 200
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py bench --dtype bfloat16
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py bench --dtype float8_e4m3fn
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py report --json docs/results/store_dtype_cost.json
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py extract --out results/dtype-cost
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py train --dtype bfloat16 --steps 200
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py train --dtype float8_e4m3fn --steps 200
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py bench --dtype bfloat16
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py bench --dtype float8_e4m3fn
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py report --json docs/results/store_dtype_cost.json
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def phase_report(args: argparse.Namespace) -> dict:
         platform.processor() or "cpu",
     )
     report = {
-        "command": "bench/store_dtype_cost.py (docs/benchmarks.md, 'fp8 capture store')",
+        "command": "studies/store_dtype_cost.py (docs/benchmarks.md, 'fp8 capture store')",
         "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "notes": args.notes,
         "extract": read_json(args.out / "extract.json"),

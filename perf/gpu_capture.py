@@ -15,7 +15,7 @@ vLLM modes load random weights (``load_format: dummy``) from a config.json of th
 ``llama8b`` is Llama-3.1-8B's (32 layers, hidden 4096, vocab 128256), ``smollm2``
 SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the timing.
 
-    python bench/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
+    python perf/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
         --modes plain hooks-v1 hooks-v2 native --out docs/results/gpu-capture.json
 
 Results: docs/benchmarks.md, "GPU capture".

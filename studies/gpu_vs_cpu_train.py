@@ -19,10 +19,10 @@ optional ``--epochs`` override used by both runs alike.
 
 Files are gzipped; ``train`` unpacks them to a scratch folder first::
 
-    python bench/gpu_vs_cpu_train.py pack --results results --target resources/target --out .gpu-e2e
-    python bench/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cpu --threads 1
-    python bench/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cuda
-    python bench/gpu_vs_cpu_train.py compare cpu/metrics-cpu.jsonl gpu/metrics-cuda.jsonl ...
+    python studies/gpu_vs_cpu_train.py pack --results results --target resources/target --out .gpu-e2e
+    python studies/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cpu --threads 1
+    python studies/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cuda
+    python studies/gpu_vs_cpu_train.py compare cpu/metrics-cpu.jsonl gpu/metrics-cuda.jsonl ...
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ rule prompts:
         mem_mb=mem_mb("default"),
     params:
         dataset=bench_dataset,
-        max_turns=config["bench"].get("max_turns"),
+        max_turns=config["bench"]["max_turns"],
         code=stage_code("prompts"),
     script:
         "../scripts/prompts.py"
@@ -29,7 +29,7 @@ rule prompts:
 rule bench_engines:
     input:
         prompts=bench_prompt_files(),
-        draft=bench_draft_dir(),
+        draft=draft_dir(),
         target=target_info(),
     output:
         bench_engine_results(),
@@ -48,13 +48,13 @@ rule bench_engines:
         ks=bench_ks(),
         datasets=bench_dataset_names(),
         dtype=bench_dtype(),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
         code=stage_code("bench_engines"),
     script:
         "../scripts/bench_engines.py"
 
 
-rule bench:
+rule bench_table:
     input:
         engines=bench_engine_results(),
     output:
@@ -73,6 +73,6 @@ rule bench:
     resources:
         mem_mb=mem_mb("default"),
     params:
-        code=stage_code("bench"),
+        code=stage_code("bench_table"),
     script:
-        "../scripts/bench.py"
+        "../scripts/bench_table.py"

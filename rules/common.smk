@@ -1,5 +1,4 @@
 # Shared glue: config validation, paths, and every input function the rules call by name.
-import json
 import re
 from pathlib import Path
 
@@ -22,7 +21,7 @@ def target_info():
 # ---------------------------------------------------------------- corpus
 def corpus_for_tokenize():
     """Regenerated conversations when regeneration is on, else the ingested ones."""
-    if config["corpus"].get("regenerate", {}).get("enabled", False):
+    if config["corpus"]["regenerate"]["enabled"]:
         return str(RESULTS / "corpus" / "regenerated.jsonl")
     return str(RESULTS / "corpus" / "ingested.jsonl")
 
@@ -36,20 +35,20 @@ def corpus_source_files():
 
 def tokenize_enable_thinking():
     """The reasoning switch the regenerated answers were made with (None without regenerate)."""
-    section = config["corpus"].get("regenerate", {})
-    return section.get("enable_thinking") if section.get("enabled", False) else None
+    section = config["corpus"]["regenerate"]
+    return section["enable_thinking"] if section["enabled"] else None
 
 
 def regenerate_settings():
     """The corpus.regenerate section (defaults from the schema), minus the on/off switch."""
-    section = dict(config["corpus"].get("regenerate", {}))
-    section.pop("enabled", None)
+    section = dict(config["corpus"]["regenerate"])
+    del section["enabled"]
     return section
 
 
 # ---------------------------------------------------------------- shards
 def num_shards(split):
-    return int(config["extract"].get("num_shards", {}).get(split, 1))
+    return config["extract"]["num_shards"][split]
 
 
 def shard_names(split):
@@ -71,14 +70,12 @@ def extract_dirs(split):
 
 # ---------------------------------------------------------------- resources
 def mem_mb(stage):
-    table = config.get("resources", {}).get("mem_mb", {})
-    return int(table.get(stage, table.get("default", 4000)))
+    table = config["resources"]["mem_mb"]
+    return table[stage] if stage in table else table["default"]
 
 
 def extract_gpus():
-    return (
-        int(config["extract"].get("tp_size", 1)) if config["extract"].get("use_gpu", False) else 0
-    )
+    return config["extract"]["tp_size"] if config["extract"]["use_gpu"] else 0
 
 
 def vllm_gpus():
@@ -92,11 +89,11 @@ def vllm_gpus():
 
 def train_gpus():
     """GPUs of the train job; more than one runs data parallel under torchrun."""
-    return int(config.get("resources", {}).get("train_gpus", 0))
+    return config["resources"]["train_gpus"]
 
 
 def train_threads():
-    return int(config["train"].get("threads") or 2)
+    return config["train"]["threads"] or 2
 
 
 def extract_settings():
@@ -145,7 +142,7 @@ def bench_engine_settings():
 
     The list of k is left out: adding a k runs only the new engine.
     """
-    return {key: config["bench"][key] for key in BENCH_SETTINGS if key in config["bench"]}
+    return {key: config["bench"][key] for key in BENCH_SETTINGS}
 
 
 def bench_ks():
@@ -169,14 +166,14 @@ def bench_prompt_files():
 
 def bench_dtype():
     """Engine dtype: bench.dtype, else the prepared target's dtype."""
-    return config["bench"].get("dtype") or config["target"].get("dtype", "bfloat16")
+    return config["bench"]["dtype"] or config["target"]["dtype"]
 
 
 def bench_threads():
     """Cores of a bench engine job. null: on the CPU build all of the run's cores, so that no
     other job shares the machine while an engine is timed (and vLLM's CPU worker binds to every
     core it may use); with GPUs 2, so that engines for different k run side by side."""
-    threads = config["bench"].get("threads")
+    threads = config["bench"]["threads"]
     if threads is not None:
         return int(threads)
     if vllm_gpus() == 0 and workflow.cores:
@@ -184,7 +181,8 @@ def bench_threads():
     return 2
 
 
-def bench_draft_dir():
+def draft_dir():
+    """The trained draft (speculators format), exported by train."""
     return str(RESULTS / "train" / "draft")
 
 
@@ -200,9 +198,9 @@ def bench_bootstrap():
     """How the report draws its confidence intervals (draftflow.report.summary.Bootstrap)."""
     bench = config["bench"]
     return {
-        "samples": int(bench.get("bootstrap_samples", 2000)),
-        "confidence": float(bench.get("confidence", 0.95)),
-        "seed": int(bench.get("seed", 0)),
+        "samples": bench["bootstrap_samples"],
+        "confidence": bench["confidence"],
+        "seed": bench["seed"],
     }
 
 

@@ -40,13 +40,13 @@ rule extract:
         shard=r"shard-\d{5}",
     conda:
         "../envs/draftflow.yaml"
-    threads: int(config["extract"].get("threads", 2))
+    threads: config["extract"]["threads"]
     resources:
         mem_mb=mem_mb("extract"),
         gpu=extract_gpus(),
     params:
         code=stage_code("extract"),
         extract=extract_settings(),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     script:
         "../scripts/extract.py"

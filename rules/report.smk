@@ -7,7 +7,7 @@ rule report:
         bench=bench_csvs(),
         units=bench_unit_csvs(),
         train_metrics=str(RESULTS / "train" / "metrics.jsonl"),
-        draft=bench_draft_dir(),
+        draft=draft_dir(),
         target=target_info(),
         extract=report_extract_dirs(),
     output:

@@ -1,7 +1,7 @@
 rule prepare_target:
     output:
         config=str(RESOURCES / "target" / "config.json"),
-        info=str(RESOURCES / "target" / "draftflow_target.json"),
+        info=target_info(),
     log:
         "logs/prepare_target.log",
     benchmark:

@@ -6,9 +6,9 @@ rule tokenize:
         corpus=corpus_for_tokenize(),
         target=target_info(),
     output:
-        samples="results/tokenize/samples.parquet",
-        token_freq="results/tokenize/token_freq.safetensors",
-        summary="results/tokenize/summary.json",
+        samples=str(RESULTS / "tokenize" / "samples.parquet"),
+        token_freq=str(RESULTS / "tokenize" / "token_freq.safetensors"),
+        summary=str(RESULTS / "tokenize" / "summary.json"),
     log:
         "logs/tokenize.log",
     benchmark:
@@ -20,16 +20,12 @@ rule tokenize:
         mem_mb=mem_mb("tokenize"),
     params:
         code=stage_code("tokenize"),
-        trust_remote_code=config["target"].get("trust_remote_code", False),
-        max_length=config["tokenize"].get("max_length", 2048),
-        long_samples=config["tokenize"].get("long_samples", "truncate"),
-        max_turns=config["tokenize"].get("max_turns"),
+        trust_remote_code=config["target"]["trust_remote_code"],
+        tokenize=config["tokenize"],
         # the generation prompt, and so where a turn's mask starts, follows this switch
         enable_thinking=tokenize_enable_thinking(),
-        # token_freq counts train samples only, so the split settings belong here too
-        split_seed=config["split"].get("seed", 0),
-        val_fraction=config["split"].get("val_fraction", 0.05),
-        test_fraction=config["split"].get("test_fraction", 0.0),
+        # token_freq counts the train split's tokens only: split's settings say which those are
+        split=config["split"],
     script:
         "../scripts/tokenize.py"
 
@@ -38,10 +34,10 @@ rule split:
     input:
         samples=rules.tokenize.output.samples,
     output:
-        train="results/split/train.parquet",
-        val="results/split/val.parquet",
-        test="results/split/test.parquet",
-        summary="results/split/summary.json",
+        train=str(RESULTS / "split" / "train.parquet"),
+        val=str(RESULTS / "split" / "val.parquet"),
+        test=str(RESULTS / "split" / "test.parquet"),
+        summary=str(RESULTS / "split" / "summary.json"),
     log:
         "logs/split.log",
     benchmark:
@@ -53,9 +49,7 @@ rule split:
         mem_mb=mem_mb("split"),
     params:
         code=stage_code("split"),
-        seed=config["split"].get("seed", 0),
-        val_fraction=config["split"].get("val_fraction", 0.05),
-        test_fraction=config["split"].get("test_fraction", 0.0),
+        split=config["split"],
     script:
         "../scripts/split.py"
 
@@ -67,7 +61,7 @@ rule shard:
     output:
         train=shard_parquets("train"),
         val=shard_parquets("val"),
-        manifest="results/shard/manifest.json",
+        manifest=shard_manifest(),
     log:
         "logs/shard.log",
     benchmark:

@@ -6,10 +6,10 @@
 
 rule vocab:
     input:
-        token_freq="results/tokenize/token_freq.safetensors",
+        token_freq=rules.tokenize.output.token_freq,
     output:
-        vocab="results/vocab/vocab.safetensors",
-        summary="results/vocab/summary.json",
+        vocab=str(RESULTS / "vocab" / "vocab.safetensors"),
+        summary=str(RESULTS / "vocab" / "summary.json"),
     log:
         "logs/vocab.log",
     benchmark:
@@ -33,7 +33,7 @@ rule train:
         vocab=rules.vocab.output.vocab,
         target=target_info(),
     output:
-        draft=directory(str(RESULTS / "train" / "draft")),
+        draft=directory(draft_dir()),
         metrics=str(RESULTS / "train" / "metrics.jsonl"),
     log:
         "logs/train.log",
@@ -49,6 +49,6 @@ rule train:
         code=stage_code("train"),
         checkpoint_dir=str(RESULTS / "train" / "checkpoints"),
         train=config["train"],
-        trust_remote_code=config["target"].get("trust_remote_code", False),
+        trust_remote_code=config["target"]["trust_remote_code"],
     script:
         "../scripts/train.py"

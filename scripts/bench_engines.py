@@ -33,7 +33,7 @@ with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
     results = run_engines(
         request,
         dict(zip(ks, snakemake.output, strict=True)),
-        settings.get("reserved_cpus"),
+        settings["reserved_cpus"],
     )
 for k, result in results.items():
     for run in result["runs"]:

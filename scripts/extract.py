@@ -9,6 +9,7 @@ if __name__ == "__main__":
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import format_plan, plan_extract
+    from draftflow.config import from_section
     from draftflow.io import read_json
     from draftflow.workflow.gpu import gpu_lease
     from draftflow.workflow.script import setup_logging, target_dir
@@ -20,8 +21,10 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os.dup2(sys.stderr.fileno(), 1)
         os.dup2(sys.stderr.fileno(), 2)
-    settings = ExtractSettings.from_config(
+    settings = from_section(
+        ExtractSettings,
         snakemake.params.extract,
+        "extract",
         trust_remote_code=snakemake.params.trust_remote_code,
     )
     # Every extract job logs the plan of all of them (the first job to run shows it first).

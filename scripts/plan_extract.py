@@ -5,11 +5,12 @@ from pathlib import Path
 from draftflow.capture.extract import ExtractSettings
 from draftflow.capture.layers import capture_layers
 from draftflow.capture.plan import format_plan, plan_extract
+from draftflow.config import from_section
 from draftflow.io import atomic_write_json, read_json
 from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
-settings = ExtractSettings.from_config(snakemake.params.extract)
+settings = from_section(ExtractSettings, snakemake.params.extract, "extract")
 plan = plan_extract(
     read_json(snakemake.input.shard_manifest),
     capture_layers(target_dir(snakemake), settings.aux_layers),

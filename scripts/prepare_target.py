@@ -10,9 +10,9 @@ target = snakemake.params.target
 prepare_target(
     Path(snakemake.output.config).parent,
     source=target["source"],
-    gguf=target.get("gguf"),
-    path=target.get("path"),
-    dtype=target.get("dtype", "bfloat16"),
-    trust_remote_code=target.get("trust_remote_code", False),
-    chat_template=target.get("chat_template"),
+    gguf=target["gguf"],
+    path=target["path"],
+    dtype=target["dtype"],
+    trust_remote_code=target["trust_remote_code"],
+    chat_template=target["chat_template"],
 )

@@ -9,9 +9,9 @@ prompts = load_prompts(
     kind=entry["kind"],
     path=entry["path"],
     dataset=entry["name"],
-    limit=entry.get("limit"),
-    order=entry.get("order", "file"),
-    seed=entry.get("seed", 0),
+    limit=entry["limit"],
+    order=entry["order"],
+    seed=entry["seed"],
     max_turns=snakemake.params.max_turns,
 )
 write_prompts(prompts, snakemake.output[0])

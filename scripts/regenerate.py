@@ -1,5 +1,6 @@
 """Rule regenerate: re-answer the ingested conversations with the target (vLLM)."""
 
+from draftflow.config import from_section
 from draftflow.corpus.regenerate import (
     RegenerateSettings,
     fingerprint,
@@ -13,17 +14,16 @@ from draftflow.workflow.script import setup_logging, target_dir
 if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     log = setup_logging(snakemake)
     model_dir = target_dir(snakemake)
-    section = snakemake.params.settings
-    settings = RegenerateSettings.from_config(section)
-    max_model_len = int(section.get("max_model_len", 2048))
+    settings = from_section(RegenerateSettings, snakemake.params.settings, "corpus.regenerate")
+    max_model_len = settings.max_model_len
     conversations = read_conversations(snakemake.input.conversations)
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
         llm = make_engine(
             model_dir,
             max_model_len=max_model_len,
-            gpu_memory_utilization=float(section.get("gpu_memory_utilization", 0.1)),
-            kv_cache_memory_bytes=section.get("kv_cache_memory_bytes"),
-            reserved_cpus=section.get("reserved_cpus"),
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            reserved_cpus=settings.reserved_cpus,
             trust_remote_code=snakemake.params.trust_remote_code,
             seed=settings.seed,
             # The job's GPUs (extract.tp_size when use_gpu is on): the target is sharded over them.

@@ -5,21 +5,19 @@ from draftflow.workflow.script import setup_logging, target_dir
 log = setup_logging(snakemake)
 
 
+from draftflow.config import from_section  # noqa: E402
 from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus  # noqa: E402
 
 params = snakemake.params
-settings = TokenizeSettings(
-    max_length=params.max_length,
-    long_samples=params.long_samples,
-    max_turns=params.max_turns,
+settings = from_section(
+    TokenizeSettings,
+    params.tokenize,
+    "tokenize",
     enable_thinking=params.enable_thinking,
-    split_seed=params.split_seed,
-    val_fraction=params.val_fraction,
-    test_fraction=params.test_fraction,
+    split=params.split,
 )
 tokenize_corpus(
     corpus_path=snakemake.input.corpus,
-    # The prepared target's description file lies inside its checkpoint directory.
     target_dir=target_dir(snakemake),
     samples_path=snakemake.output.samples,
     token_freq_path=snakemake.output.token_freq,

@@ -5,6 +5,7 @@ With ``resources: gpu`` > 1 the job re-launches itself as torchrun workers (data
 
 import dataclasses
 
+from draftflow.config import from_section
 from draftflow.train.cli import launch
 from draftflow.train.job import TrainJob
 from draftflow.train.settings import TrainSettings
@@ -12,11 +13,10 @@ from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
-settings = TrainSettings.from_config(snakemake.params.train)
+settings = from_section(TrainSettings, snakemake.params.train, "train")
 if settings.threads == 0:
     settings = dataclasses.replace(settings, threads=snakemake.threads)
 job = TrainJob(
-    # The prepared target's info file sits in (and is written last into) the target directory.
     target_dir=str(target_dir(snakemake)),
     vocab_path=snakemake.input.vocab,
     train_shards=list(snakemake.input.train),

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_stores import StoreShape, open_writer, random_samples, write_store
 from safetensors import safe_open
 
 from draftflow.capture.quant import FP8_MAX, dequantize, quantize_fp8, state_bytes_per_token
-from draftflow.capture.store import ShardReader, ShardWriter
+from draftflow.capture.store import ShardReader
 from draftflow.train.data import ShardSet, collate, dequantize_batch
 
 LAYERS = [2, 4, 7, 8]
@@ -18,38 +19,15 @@ HIDDEN = 64
 META = {"model": "toy", "backend": "test"}
 
 
+SHAPE = StoreShape(LAYERS, AUX, HIDDEN)
+
+
 def make_samples(count: int, seed: int = 0) -> list[dict]:
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for index in range(count):
-        length = int(torch.randint(2, 40, (1,), generator=generator))
-        states = torch.randn(length, len(LAYERS), HIDDEN, generator=generator)
+    samples = random_samples(count, SHAPE, seed, min_length=2, id_prefix="s")
+    for sample in samples:
         # A massive activation, as real targets have on a few tokens of deep layers.
-        states[0, -1, 3] = 3000.0
-        samples.append(
-            {
-                "id": f"s{index:03d}",
-                "input_ids": torch.randint(0, 1000, (length,), generator=generator).int(),
-                "loss_mask": torch.randint(0, 2, (length,), generator=generator).to(torch.int8),
-                "hidden_states": states.bfloat16(),
-            }
-        )
+        sample["hidden_states"][0, -1, 3] = 3000.0
     return samples
-
-
-def write_store(out: Path, samples: list[dict], store_dtype: str, chunk_samples: int = 4) -> dict:
-    writer = ShardWriter(
-        out,
-        layer_ids=LAYERS,
-        aux_layer_ids=AUX,
-        hidden_size=HIDDEN,
-        meta=META,
-        chunk_samples=chunk_samples,
-        store_dtype=store_dtype,
-    )
-    for sample in samples[writer.resume_position([s["id"] for s in samples]) :]:
-        writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], sample["hidden_states"])
-    return writer.close()
 
 
 def test_quantize_never_saturates_and_keeps_direction():
@@ -74,8 +52,8 @@ def test_quantize_never_saturates_and_keeps_direction():
 
 def test_fp8_store_round_trip_bytes_and_manifest(tmp_path):
     samples = make_samples(10)
-    bf16 = write_store(tmp_path / "bf16", samples, "bfloat16")
-    fp8 = write_store(tmp_path / "fp8", samples, "float8_e4m3fn")
+    bf16 = write_store(tmp_path / "bf16", samples, SHAPE, META, store_dtype="bfloat16")
+    fp8 = write_store(tmp_path / "fp8", samples, SHAPE, META, store_dtype="float8_e4m3fn")
     assert bf16["dtype"] == "bfloat16" and "scales" not in bf16
     assert fp8["dtype"] == "float8_e4m3fn"
     assert fp8["scales"]["tensor"] == "hidden_scales" and fp8["scales"]["dtype"] == "float32"
@@ -118,21 +96,13 @@ def test_fp8_store_round_trip_bytes_and_manifest(tmp_path):
 def test_fp8_resume_is_byte_identical_and_dtype_change_discards(tmp_path):
     samples = make_samples(9)
     full = tmp_path / "full"
-    write_store(full, samples, "float8_e4m3fn")
+    write_store(full, samples, SHAPE, META, store_dtype="float8_e4m3fn")
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     (resumed / "chunk-00000.safetensors").write_bytes(
         (full / "chunk-00000.safetensors").read_bytes()
     )
-    writer = ShardWriter(
-        resumed,
-        layer_ids=LAYERS,
-        aux_layer_ids=AUX,
-        hidden_size=HIDDEN,
-        meta=META,
-        chunk_samples=4,
-        store_dtype="float8_e4m3fn",
-    )
+    writer = open_writer(resumed, SHAPE, META, chunk_samples=4, store_dtype="float8_e4m3fn")
     assert writer.resume_position([s["id"] for s in samples]) == 4
     for sample in samples[4:]:
         writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], sample["hidden_states"])
@@ -141,16 +111,16 @@ def test_fp8_resume_is_byte_identical_and_dtype_change_discards(tmp_path):
         p.name: p.read_bytes() for p in full.iterdir()
     }
     # The same chunk under a bf16 writer is foreign: it is recaptured, not mixed in.
-    bf16 = ShardWriter(
-        full, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN, meta=META, chunk_samples=4
-    )
+    bf16 = open_writer(full, SHAPE, META, chunk_samples=4)
     assert bf16.resume_position([s["id"] for s in samples]) == 0
 
 
 def test_collate_dequantizes_on_the_host_and_on_the_device_alike(tmp_path):
     samples = make_samples(6, seed=3)
-    write_store(tmp_path / "bf16", samples, "bfloat16", chunk_samples=2)
-    write_store(tmp_path / "fp8", samples, "float8_e4m3fn", chunk_samples=2)
+    write_store(tmp_path / "bf16", samples, SHAPE, META, store_dtype="bfloat16", chunk_samples=2)
+    write_store(
+        tmp_path / "fp8", samples, SHAPE, META, store_dtype="float8_e4m3fn", chunk_samples=2
+    )
     fp8_shards, bf16_shards = ShardSet([tmp_path / "fp8"]), ShardSet([tmp_path / "bf16"])
     refs = fp8_shards.samples[:4]
     tokens = sum(r.num_tokens for r in refs)  # room for all, plus padding

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_stores import StoreShape, open_writer, random_samples, write_store
 from safetensors import safe_open
 
-from draftflow.capture.store import CorruptShardError, ShardReader, ShardWriter, update_manifest
+from draftflow.capture.store import CorruptShardError, ShardReader, update_manifest
 
 LAYERS = [2, 4, 7, 8]
 AUX = [2, 4, 7]
@@ -20,38 +21,11 @@ HIDDEN = 16
 META = {"model": "toy", "model_revision": "abc", "vllm_version": None, "backend": "test"}
 
 
+SHAPE = StoreShape(LAYERS, AUX, HIDDEN)
+
+
 def make_samples(count: int, seed: int = 0) -> list[dict]:
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for index in range(count):
-        length = int(torch.randint(1, 40, (1,), generator=generator))
-        samples.append(
-            {
-                "id": f"sample-{index:03d}",
-                "input_ids": torch.randint(0, 1000, (length,), generator=generator).int(),
-                "loss_mask": torch.randint(0, 2, (length,), generator=generator).to(torch.int8),
-                "hidden_states": torch.randn(length, len(LAYERS), HIDDEN, generator=generator).to(
-                    torch.bfloat16
-                ),
-            }
-        )
-    return samples
-
-
-def write_store(out: Path, samples: list[dict], chunk_samples: int = 4) -> dict:
-    writer = ShardWriter(
-        out,
-        layer_ids=LAYERS,
-        aux_layer_ids=AUX,
-        hidden_size=HIDDEN,
-        meta=META,
-        chunk_samples=chunk_samples,
-    )
-    skip = writer.resume_position([s["id"] for s in samples])
-    assert writer.done_ids() == {s["id"] for s in samples[:skip]}
-    for sample in samples[skip:]:
-        writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], sample["hidden_states"])
-    return writer.close()
+    return random_samples(count, SHAPE, seed)
 
 
 def file_bytes(directory: Path) -> dict[str, bytes]:
@@ -60,7 +34,7 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
 
 def test_round_trip_layout_and_manifest(tmp_path):
     samples = make_samples(10)
-    manifest = write_store(tmp_path / "shard", samples)
+    manifest = write_store(tmp_path / "shard", samples, SHAPE, META)
     assert manifest["num_samples"] == 10
     assert manifest["num_tokens"] == sum(len(s["input_ids"]) for s in samples)
     assert manifest["layer_ids"] == LAYERS and manifest["aux_layer_ids"] == AUX
@@ -94,12 +68,10 @@ def test_round_trip_layout_and_manifest(tmp_path):
 def test_resume_after_partial_run_is_byte_identical(tmp_path):
     samples = make_samples(11)
     reference = tmp_path / "reference"
-    write_store(reference, samples)
+    write_store(reference, samples, SHAPE, META)
 
     resumed = tmp_path / "resumed"
-    writer = ShardWriter(
-        resumed, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN, meta=META, chunk_samples=4
-    )
+    writer = open_writer(resumed, SHAPE, META, chunk_samples=4)
     for sample in samples[:10]:  # two full chunks written, two samples only buffered: "killed"
         writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], sample["hidden_states"])
     writer.wait_written()
@@ -109,37 +81,28 @@ def test_resume_after_partial_run_is_byte_identical(tmp_path):
         "chunk-00000.safetensors",
         "chunk-00001.safetensors",
     ]
-    write_store(resumed, samples)
+    write_store(resumed, samples, SHAPE, META)
     assert file_bytes(resumed) == file_bytes(reference)
 
 
 def test_resume_discards_short_and_foreign_chunks(tmp_path):
     samples = make_samples(9)
     out = tmp_path / "shard"
-    write_store(out, samples)  # complete: chunks of 4, 4, 1
+    write_store(out, samples, SHAPE, META)  # complete: chunks of 4, 4, 1
     # The short last chunk is recaptured; chunks of another configuration are not reused.
-    writer = ShardWriter(
-        out, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN, meta=META, chunk_samples=4
-    )
+    writer = open_writer(out, SHAPE, META, chunk_samples=4)
     assert len(writer.done_ids()) == 8
     assert not (out / "manifest.json").exists()
-    other = ShardWriter(
-        out,
-        layer_ids=LAYERS,
-        aux_layer_ids=AUX,
-        hidden_size=HIDDEN,
-        meta={**META, "model_revision": "changed"},
-        chunk_samples=4,
-    )
+    other = open_writer(out, SHAPE, {**META, "model_revision": "changed"}, chunk_samples=4)
     assert other.done_ids() == set()
     assert not any(out.glob("chunk-*"))
 
 
 def test_resume_refuses_a_reordered_input(tmp_path):
     samples = make_samples(9)
-    write_store(tmp_path / "shard", samples)
+    write_store(tmp_path / "shard", samples, SHAPE, META)
     with pytest.raises(ValueError, match="input order changed"):
-        write_store(tmp_path / "shard", list(reversed(samples)))
+        write_store(tmp_path / "shard", list(reversed(samples)), SHAPE, META)
 
 
 KILL_SCRIPT = textwrap.dedent(
@@ -162,19 +125,19 @@ KILL_SCRIPT = textwrap.dedent(
 def test_kill_and_resume_in_subprocess(tmp_path):
     samples = make_samples(11)
     reference = tmp_path / "reference"
-    write_store(reference, samples)
+    write_store(reference, samples, SHAPE, META)
     killed = tmp_path / "killed"
     script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(killed))
     result = subprocess.run([sys.executable, "-c", script], check=False)
     assert result.returncode == -9
     assert [p.name for p in killed.glob("chunk-*")] == ["chunk-00000.safetensors"]
-    write_store(killed, samples)
+    write_store(killed, samples, SHAPE, META)
     assert file_bytes(killed) == file_bytes(reference)
 
 
 def test_corrupt_file_is_named(tmp_path):
     out = tmp_path / "shard"
-    write_store(out, make_samples(6))
+    write_store(out, make_samples(6), SHAPE, META)
     ShardReader(out)  # intact
     chunk = out / "chunk-00001.safetensors"
     data = bytearray(chunk.read_bytes())
@@ -190,7 +153,7 @@ def test_corrupt_file_is_named(tmp_path):
 
 def test_update_manifest_keeps_checksums(tmp_path):
     out = tmp_path / "shard"
-    write_store(out, make_samples(3))
+    write_store(out, make_samples(3), SHAPE, META)
     manifest = update_manifest(out, {"verification": {"passed": True}})
     assert manifest["verification"] == {"passed": True}
     ShardReader(out)
@@ -199,9 +162,7 @@ def test_update_manifest_keeps_checksums(tmp_path):
 
 
 def test_bad_shapes_are_rejected(tmp_path):
-    writer = ShardWriter(
-        tmp_path, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN, meta=META
-    )
+    writer = open_writer(tmp_path, SHAPE, META)
     ids = torch.zeros(5, dtype=torch.int32)
     mask = torch.ones(5, dtype=torch.int8)
     with pytest.raises(ValueError, match="expected"):

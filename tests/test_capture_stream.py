@@ -262,7 +262,7 @@ class ListBackend:
 
 
 def test_the_extract_loop_announces_its_samples_across_engine_calls(tmp_path):
-    """Engine calls of 5 samples over chunks of 4 (bench/gpu_capture.py runs calls of 256 over
+    """Engine calls of 5 samples over chunks of 4 (perf/gpu_capture.py runs calls of 256 over
     chunks of 8), from the start and resumed after one chunk: the bytes of a buffered store."""
     from draftflow.capture.extract import _capture_all
 

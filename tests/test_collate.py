@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_stores import StoreShape, write_store
 
-from draftflow.capture.store import ShardWriter
 from draftflow.train.data import SampleRef, ShardSet, collate
 
 LAYER_IDS = [2, 5, 7, 9]
@@ -16,21 +16,17 @@ HIDDEN = 8
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> ShardSet:
     out = tmp_path_factory.mktemp("collate") / "shard-00000"
-    writer = ShardWriter(
-        out,
-        layer_ids=LAYER_IDS,
-        aux_layer_ids=AUX_IDS,
-        hidden_size=HIDDEN,
-        meta={"backend": "synthetic"},
-        chunk_samples=2,
-    )
     generator = torch.Generator().manual_seed(0)
+    samples = []
     for n, length in enumerate([5, 9, 4, 7]):
         ids = torch.randint(0, 100, (length,), generator=generator, dtype=torch.int32)
         mask = torch.randint(0, 2, (length,), generator=generator, dtype=torch.int8)
         states = torch.randn(length, len(LAYER_IDS), HIDDEN, generator=generator)
-        writer.add(f"s{n}", ids, mask, states.bfloat16())
-    writer.close()
+        samples.append(
+            {"id": f"s{n}", "input_ids": ids, "loss_mask": mask, "hidden_states": states.bfloat16()}
+        )
+    shape = StoreShape(LAYER_IDS, AUX_IDS, HIDDEN)
+    write_store(out, samples, shape, {"backend": "synthetic"}, chunk_samples=2)
     return ShardSet([out])
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_stores import StoreShape, open_writer
 
 from draftflow.capture.extract import ExtractSettings, VerifySettings, partial_dir, run_extract
 from draftflow.capture.layers import CaptureLayers, capture_layers
@@ -20,7 +21,7 @@ from draftflow.capture.plan import (
     format_plan,
     plan_extract,
 )
-from draftflow.capture.store import CorruptShardError, ShardReader, ShardWriter
+from draftflow.capture.store import CorruptShardError, ShardReader
 from draftflow.data.samples import samples_table, write_samples
 from draftflow.io import DiskFullError
 
@@ -72,13 +73,11 @@ def test_plan_is_exact_for_tensors_and_bounds_the_rest(tmp_path, store_dtype):
     assert plan["bytes_per_token"] == expected_per_token
     for entry in plan["shards"]:
         split = Path(entry["output"]).parent.name
-        writer = ShardWriter(
+        writer = open_writer(
             entry["output"],
-            layer_ids=LAYERS.layer_ids,
-            aux_layer_ids=LAYERS.aux_layer_ids,
-            hidden_size=LAYERS.hidden_size,
+            StoreShape(LAYERS.layer_ids, LAYERS.aux_layer_ids, LAYERS.hidden_size),
             # A long model path: headers and manifests grow with it.
-            meta={"model": "/" + "m" * 200, "model_revision": "r" * 64, "backend": "test"},
+            {"model": "/" + "m" * 200, "model_revision": "r" * 64, "backend": "test"},
             chunk_samples=8,
             store_dtype=store_dtype,
         )

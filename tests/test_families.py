@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_stores import StoreShape, write_store
 
 from draftflow.capture.backends import EngineSettings, make_backend
 from draftflow.capture.decoder_search import DecoderNotFoundError, find_decoder
@@ -105,7 +106,6 @@ def test_verification_up_to_a_layer_loads_only_the_layers_below(family, family_t
     """extract.verify.max_layer: the low layers checked against the target cut to its first
     layers (what a target too large for one device gets, e.g. config/examples/kimi-k2.5-8gpu)."""
     from draftflow.capture.backends.hf import HFBackend
-    from draftflow.capture.store import ShardWriter
     from draftflow.capture.verify import verify_shard
 
     target = family_targets(family)
@@ -127,20 +127,21 @@ def test_verification_up_to_a_layer_loads_only_the_layers_below(family, family_t
         cut.close()
 
     def store(name: str, flip_column: int | None) -> str:
-        writer = ShardWriter(
-            tmp_path / name,
-            layer_ids=layers.layer_ids,
-            aux_layer_ids=layers.aux_layer_ids,
-            hidden_size=layers.hidden_size,
-            meta={"test": name},
-            chunk_samples=2,
-        )
+        samples = []
         for i, (ids, sample) in enumerate(zip(prompts, states, strict=True)):
             sample = sample.clone()
             if flip_column is not None:
                 sample[:, flip_column] = -sample[:, flip_column]
-            writer.add(f"s{i}", torch.tensor(ids), torch.ones(len(ids)), sample)
-        writer.close()
+            samples.append(
+                {
+                    "id": f"s{i}",
+                    "input_ids": torch.tensor(ids),
+                    "loss_mask": torch.ones(len(ids)),
+                    "hidden_states": sample,
+                }
+            )
+        shape = StoreShape(layers.layer_ids, layers.aux_layer_ids, layers.hidden_size)
+        write_store(tmp_path / name, samples, shape, {"test": name}, chunk_samples=2)
         return str(tmp_path / name)
 
     check = {

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from draftflow.data.masks import ChatTemplateMasker, mask_from_spans
-from draftflow.data.split import assign_split
+from draftflow.data.split import SplitSettings, assign_split
 from draftflow.data.tokenize import TokenizeSettings, limit_turns, tokenize_corpus
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -309,7 +309,9 @@ def run_tokenize(out: Path, corpus: Path, target: Path, **settings) -> tuple[dic
 
 
 def test_tokenize_corpus_writes_contract_files(tmp_path, corpus, llama3_target, llama3_tokenizer):
-    summary, table, freq = run_tokenize(tmp_path / "out", corpus, llama3_target, val_fraction=0.3)
+    summary, table, freq = run_tokenize(
+        tmp_path / "out", corpus, llama3_target, split=SplitSettings(val_fraction=0.3)
+    )
     assert table.column_names == ["id", "input_ids", "loss_mask", "num_tokens", "num_masked"]
     assert table.schema.field("input_ids").type.value_type == pa.int32()
     assert table.schema.field("loss_mask").type.value_type == pa.int8()

@@ -15,6 +15,7 @@ import jinja2
 import pytest
 
 from draftflow.data.masks import ChatTemplateMasker
+from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -262,7 +263,7 @@ def test_tokenize_passes_tools_and_skips_turns_a_template_drops(
             tmp_path / f"{name}.parquet",
             tmp_path / f"{name}.safetensors",
             tmp_path / f"{name}.json",
-            TokenizeSettings(max_length=1024, val_fraction=0.0),
+            TokenizeSettings(max_length=1024, split=SplitSettings(val_fraction=0.0)),
         )
         if name == "qwen3":
             assert summary["samples"] == 2

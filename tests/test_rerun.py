@@ -144,7 +144,7 @@ def _rules(*names: str) -> frozenset[str]:
 
 
 # Downstream chains of the DAG (tokenize also feeds vocab; prompts feeds bench_engines).
-REPORT = ("bench_engines", "bench", "report")
+REPORT = ("bench_engines", "bench_table", "report")
 TRAIN = ("train", *REPORT)
 EXTRACT = ("extract", *TRAIN)
 DATA = ("tokenize", "split", "shard", "vocab", *EXTRACT)
@@ -211,7 +211,7 @@ CHANGES = [
         "config",
         "bench.num_speculative_tokens",
         [1, 2, 3],
-        _rules("bench_engines", "bench"),
+        _rules("bench_engines", "bench_table"),
         _rules(*REPORT),
     ),
     Change(
@@ -261,8 +261,8 @@ CHANGES = [
         "draftflow/bench/lossless.py",
         None,
         # The greedy check runs on the engines' results: the engines don't rerun.
-        _rules("bench"),
-        _rules("bench", "report"),
+        _rules("bench_table"),
+        _rules("bench_table", "report"),
     ),
     Change(
         "code:draftflow/report/plots.py",

@@ -1,4 +1,5 @@
-"""Settings dataclasses default to what config/schema.yaml says (the schema fills the config)."""
+"""Settings dataclasses default to what config/schema.yaml says (the schema fills the config), and
+every one is built from its config section the same way (draftflow.config.from_section)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,57 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftflow.capture.extract import ExtractSettings
+from draftflow.capture.extract import ExtractSettings, VerifySettings
+from draftflow.config import from_section, load_config
+from draftflow.corpus.ingest import Source
 from draftflow.corpus.regenerate import RegenerateSettings
+from draftflow.data.split import SplitSettings
+from draftflow.data.tokenize import TokenizeSettings
+from draftflow.report.summary import Bootstrap
 from draftflow.train.settings import TrainSettings
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
 
+# Each settings class, its section (a dotted path; [] an array's items) and the fields it takes
+# from elsewhere (another section, or the rule), by field name -> schema key or None.
+SETTINGS = [
+    (TrainSettings, "train", {}),
+    (RegenerateSettings, "corpus.regenerate", {}),
+    (ExtractSettings, "extract", {"trust_remote_code": "target.trust_remote_code"}),
+    (VerifySettings, "extract.verify", {}),
+    (
+        TokenizeSettings,
+        "tokenize",
+        {"split": "split", "enable_thinking": "corpus.regenerate.enable_thinking"},
+    ),
+    (SplitSettings, "split", {}),
+    (Source, "corpus.sources[]", {}),
+    (
+        Bootstrap,
+        None,
+        {
+            "samples": "bench.bootstrap_samples",
+            "confidence": "bench.confidence",
+            "seed": "bench.seed",
+        },
+    ),
+]
 
-def schema_defaults(section: str) -> dict:
-    """Defaults of a config section, named by its dotted path (e.g. ``corpus.regenerate``)."""
+
+def schema_node(key: str) -> dict:
     node = yaml.safe_load(SCHEMA.read_text())
-    for key in section.split("."):
-        node = node["properties"][key]
-    properties = node["properties"]
-    return {key: spec["default"] for key, spec in properties.items() if "default" in spec}
+    for part in key.split("."):
+        items = part.endswith("[]")
+        node = node["properties"][part.removesuffix("[]")]
+        if items:
+            node = node["items"]
+    return node
+
+
+def schema_default(key: str):
+    section, _, name = key.rpartition(".")
+    spec = schema_node(section)["properties"][name]
+    return spec.get("default", dataclasses.MISSING)
 
 
 def dataclass_default(field: dataclasses.Field):
@@ -30,20 +68,44 @@ def dataclass_default(field: dataclasses.Field):
     return field.default
 
 
-@pytest.mark.parametrize(
-    ("section", "settings"),
-    [
-        ("train", TrainSettings),
-        ("corpus.regenerate", RegenerateSettings),
-        ("extract", ExtractSettings),
-    ],
-)
-def test_dataclass_defaults_are_the_schema_defaults(section, settings):
-    defaults = schema_defaults(section)
+def schema_key(section: str | None, elsewhere: dict, name: str) -> str:
+    return elsewhere.get(name) or f"{section}.{name}"
+
+
+@pytest.mark.parametrize(("settings", "section", "elsewhere"), SETTINGS)
+def test_every_field_is_a_schema_key_with_the_same_default(settings, section, elsewhere):
     for field in dataclasses.fields(settings):
-        if field.name in defaults:
-            assert dataclass_default(field) == defaults[field.name], f"{section}.{field.name}"
+        default = dataclass_default(field)
+        if dataclasses.is_dataclass(default):
+            continue  # a section of its own, checked on its own
+        key = schema_key(section, elsewhere, field.name)
+        assert schema_default(key) == default, key
 
 
-def test_every_train_setting_is_in_the_schema():
-    assert set(schema_defaults("train")) == {f.name for f in dataclasses.fields(TrainSettings)}
+@pytest.mark.parametrize(("settings", "section", "elsewhere"), SETTINGS)
+def test_every_schema_key_is_a_field(settings, section, elsewhere):
+    if section is None:
+        return
+    keys = set(schema_node(section)["properties"])
+    fields = {f.name for f in dataclasses.fields(settings)} - set(elsewhere)
+    # Keys read by the rules rather than by the stage's code.
+    rules_only = {"extract": {"num_shards"}, "corpus.regenerate": {"enabled"}}
+    assert keys - rules_only.get(section, set()) == fields
+
+
+def test_the_default_config_builds_every_settings_class():
+    config = load_config()
+    extract = {k: v for k, v in config["extract"].items() if k != "num_shards"}
+    regenerate = {k: v for k, v in config["corpus"]["regenerate"].items() if k != "enabled"}
+    assert from_section(ExtractSettings, extract, "extract").verify == VerifySettings(
+        **config["extract"]["verify"]
+    )
+    from_section(TrainSettings, config["train"], "train")
+    from_section(RegenerateSettings, regenerate, "corpus.regenerate")
+    for source in config["corpus"]["sources"]:
+        from_section(Source, source, "corpus.sources")
+
+
+def test_an_unknown_key_is_named():
+    with pytest.raises(ValueError, match=r"unknown extract.verify settings \['fractoin'\]"):
+        from_section(ExtractSettings, {"verify": {"fractoin": 0.5}}, "extract")

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_stores import StoreShape, open_writer
 from safetensors.torch import load_file
 
-from draftflow.capture.store import ShardWriter
+from draftflow.config import from_section
 from draftflow.io import DiskFullError, sha256_file
 from draftflow.train.checkpoint import latest_checkpoint
 from draftflow.train.job import TrainJob
@@ -99,16 +100,8 @@ def _greedy_continuations(model, tokenizer, texts: list[str]) -> list[tuple[torc
 def _capture(model, tokenizer, prompts: list[str], out_dirs: list[Path], layer_ids, aux_ids):
     """Greedy continuations of the target, then its hidden states, into len(out_dirs) shards."""
     hidden_size = model.config.hidden_size
-    writers = [
-        ShardWriter(
-            d,
-            layer_ids=layer_ids,
-            aux_layer_ids=aux_ids,
-            hidden_size=hidden_size,
-            meta={"backend": "test-hf"},
-        )
-        for d in out_dirs
-    ]
+    shape = StoreShape(layer_ids, aux_ids, hidden_size)
+    writers = [open_writer(d, shape, {"backend": "test-hf"}) for d in out_dirs]
     freq = torch.zeros(model.config.vocab_size, dtype=torch.int64)
     final_pre_norm: list[torch.Tensor] = []
     # transformers' hidden_states[L] is after the final norm: take its input instead.
@@ -460,7 +453,7 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
 )
 def test_bad_train_settings_are_named(section, message):
     with pytest.raises(ValueError, match=message):
-        TrainSettings.from_config(section)
+        from_section(TrainSettings, section, "train")
 
 
 def test_sync_free_accuracy_counts_match_speculators():

@@ -40,7 +40,7 @@ def test_dry_run_of_the_demo_bench_runs_every_engine_in_one_job(tmp_path):
     assert "results/bench/prompts/mtbench.jsonl" in job
     assert "results/bench/prompts/humaneval.jsonl" in job
     assert re.search(r"threads: 3\b", job), job
-    assert len(re.findall(r"rule bench:\n", out)) == 2
+    assert len(re.findall(r"rule bench_table:\n", out)) == 2
 
 
 def data_config() -> dict:

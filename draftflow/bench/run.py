@@ -80,24 +80,24 @@ def request_settings(
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """``engine_request``'s keyword arguments from the config's ``bench:`` section."""
+    """``engine_request``'s keyword arguments from the config's validated ``bench:`` section."""
     return {
-        "temperature": bench.get("temperature", 0.0),
-        "top_p": bench.get("top_p", 1.0),
+        "temperature": bench["temperature"],
+        "top_p": bench["top_p"],
         "max_tokens": bench["max_tokens"],
-        "seed": bench.get("seed", 0),
-        "repeats": bench.get("repeats", 1),
-        "warmup_tokens": bench.get("warmup_tokens", 16),
+        "seed": bench["seed"],
+        "repeats": bench["repeats"],
+        "warmup_tokens": bench["warmup_tokens"],
         "engine": {
             "max_model_len": bench["max_model_len"],
             "max_num_seqs": bench["max_num_seqs"],
-            "gpu_memory_utilization": bench.get("gpu_memory_utilization"),
-            "kv_cache_memory_bytes": bench.get("kv_cache_memory_bytes"),
+            "gpu_memory_utilization": bench["gpu_memory_utilization"],
+            "kv_cache_memory_bytes": bench["kv_cache_memory_bytes"],
             "dtype": dtype,
-            "seed": bench.get("seed", 0),
+            "seed": bench["seed"],
             "trust_remote_code": trust_remote_code,
             "tensor_parallel_size": tensor_parallel_size,
-            "extra": bench.get("engine_args") or {},
+            "extra": bench["engine_args"],
         },
     }
 

@@ -57,7 +57,10 @@ class ExtractSettings:
 
     backend: str = "auto"
     aux_layers: list[int] | None = None
+    use_gpu: bool = False
     tp_size: int = 1
+    # CPU threads of the job (the rule's threads:)
+    threads: int = 2
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.1
@@ -73,33 +76,31 @@ class ExtractSettings:
     # Free space kept beyond what the store will write (docs/capture.md, "Disk plan").
     disk_margin_mb: int = 1024
     hf_dtype: str = "bfloat16"
-    device: str = "cpu"
+    # from the target: section
     trust_remote_code: bool = False
     verify: VerifySettings = field(default_factory=VerifySettings)
 
-    @classmethod
-    def from_config(cls, section: dict, trust_remote_code: bool = False) -> ExtractSettings:
-        known = {
-            "backend",
-            "aux_layers",
-            "tp_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "gpu_memory_utilization",
-            "kv_cache_memory_bytes",
-            "reserved_cpus",
-            "model_runner",
-            "engine_args",
-            "deterministic",
-            "chunk_samples",
-            "store_dtype",
-            "disk_margin_mb",
-            "hf_dtype",
-        }
-        values = {key: section[key] for key in known if section.get(key) is not None}
-        verify = VerifySettings(**(section.get("verify") or {}))
-        device = "cuda" if section.get("use_gpu", False) else "cpu"
-        return cls(**values, device=device, verify=verify, trust_remote_code=trust_remote_code)
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"
+
+    def engine(self, max_model_len: int) -> EngineSettings:
+        """The capture engine's settings for samples of up to ``max_model_len`` - 1 tokens."""
+        return EngineSettings(
+            max_model_len=max_model_len,
+            tp_size=self.tp_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            reserved_cpus=self.reserved_cpus,
+            model_runner=self.model_runner,
+            engine_args=dict(self.engine_args),
+            deterministic=self.deterministic,
+            trust_remote_code=self.trust_remote_code,
+            hf_dtype=self.hf_dtype,
+            device=self.device,
+        )
 
 
 def model_revision(model_dir: str | os.PathLike[str]) -> str:
@@ -149,22 +150,8 @@ def run_extract(
         "input": shard_path.name,
         "input_sha256": sha256_file(shard_path),
     }
-    engine = EngineSettings(
-        # One spare position: vLLM wants room for the one token it samples.
-        max_model_len=max((len(ids_) for ids_ in input_ids), default=1) + 1,
-        tp_size=settings.tp_size,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-        reserved_cpus=settings.reserved_cpus,
-        model_runner=settings.model_runner,
-        engine_args=dict(settings.engine_args),
-        deterministic=settings.deterministic,
-        trust_remote_code=settings.trust_remote_code,
-        hf_dtype=settings.hf_dtype,
-        device=settings.device,
-    )
+    # One spare position: vLLM wants room for the one token it samples.
+    engine = settings.engine(max((len(ids_) for ids_ in input_ids), default=1) + 1)
     work = partial_dir(out_dir)
     writer = ShardWriter(
         work,

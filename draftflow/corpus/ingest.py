@@ -31,6 +31,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from draftflow.config import from_section
 from draftflow.corpus.formats import (
     BAD_RECORD_REASONS,
     FORMATS,
@@ -67,14 +68,11 @@ class Source:
     path: str
     format: str = "auto"
 
-    @classmethod
-    def from_config(cls, entry: Mapping[str, Any]) -> Source:
-        fmt = entry.get("format", "auto")
-        if fmt not in FORMATS:
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
             raise ValueError(
-                f"corpus source {entry.get('name')!r}: format {fmt!r} is not one of {', '.join(FORMATS)}"
+                f"corpus source {self.name!r}: format {self.format!r} is not one of {', '.join(FORMATS)}"
             )
-        return cls(name=str(entry["name"]), path=str(entry["path"]), format=fmt)
 
 
 @dataclass
@@ -126,7 +124,9 @@ def ingest(
         )
     if max_conversations is not None and max_conversations < 1:
         raise ValueError(f"max_conversations must be >= 1 or null, got {max_conversations!r}")
-    source_list = [s if isinstance(s, Source) else Source.from_config(s) for s in sources]
+    source_list = [
+        s if isinstance(s, Source) else from_section(Source, s, "corpus.sources") for s in sources
+    ]
     names = [s.name for s in source_list]
     if len(set(names)) != len(names):
         raise ValueError(f"corpus source names must be unique, got {names}")

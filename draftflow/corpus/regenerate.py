@@ -66,6 +66,14 @@ KEPT_OUTCOMES = (REGENERATED, SHORTENED)
 DROP_OUTCOMES = (PROMPT_TOO_LONG, EMPTY_ANSWER, NO_ASSISTANT_TURN)
 OUTCOMES = KEPT_OUTCOMES + DROP_OUTCOMES
 PROGRESS_FORMAT = "draftflow-regenerate-progress/1"
+# RegenerateSettings of the engine, not of the answers: kept out of the fingerprint (but for
+# max_model_len, which fingerprint() takes on its own).
+ENGINE_SETTINGS = (
+    "max_model_len",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "reserved_cpus",
+)
 # Per-conversation counters of tool use and reasoning, summed in the summary.
 TOOL_STATS = ("tool_calls", "unparsed_tool_calls", "tool_calls_diverged", "reasoning_turns")
 
@@ -82,6 +90,11 @@ class RegenerateSettings:
     enable_thinking: bool | None = None
     # tool-call syntax of the target's answers; auto: from its chat template
     tool_call_parser: str = "auto"
+    # the engine's (make_engine)
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.1
+    kv_cache_memory_bytes: int | None = None
+    reserved_cpus: int | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -91,11 +104,6 @@ class RegenerateSettings:
 
     def template_kwargs(self) -> dict[str, bool]:
         return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> RegenerateSettings:
-        names = {name for name in cls.__dataclass_fields__}
-        return cls(**{key: value for key, value in section.items() if key in names})
 
 
 # ------------------------------------------------------------------ engine
@@ -342,7 +350,7 @@ def fingerprint(
     identity = {
         "input": sha256_file(input_path),
         "model": model_files,
-        "settings": asdict(settings),
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ENGINE_SETTINGS},
         "max_model_len": max_model_len,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -13,6 +14,22 @@ from draftflow.data.samples import read_samples, write_samples
 from draftflow.io import atomic_write_json
 
 SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """The ``split:`` section: which split each conversation falls into (tokenize counts the
+    train split's tokens with it, the split stage writes the splits)."""
+
+    seed: int = 0
+    val_fraction: float = 0.05
+    test_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_fractions(self.val_fraction, self.test_fraction)
+
+    def assign(self, conversation_id: str) -> str:
+        return assign_split(conversation_id, self.seed, self.val_fraction, self.test_fraction)
 
 
 def _check_fractions(val_fraction: float, test_fraction: float) -> None:

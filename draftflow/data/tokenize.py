@@ -7,7 +7,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from draftflow.data.masks import ChatTemplateError, ChatTemplateMasker, Message
 from draftflow.data.samples import sample_writer, samples_table
-from draftflow.data.split import assign_split
+from draftflow.data.split import SplitSettings
 from draftflow.io import atomic_path, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,8 @@ class TokenizeSettings:
     max_length: int = 2048
     long_samples: str = "truncate"
     max_turns: int | None = None
-    split_seed: int = 0
-    val_fraction: float = 0.05
-    test_fraction: float = 0.0
+    # token_freq counts the train split's tokens only
+    split: SplitSettings = field(default_factory=SplitSettings)
     # the template's reasoning switch the answers were generated with (None: not passed)
     enable_thinking: bool | None = None
 
@@ -70,6 +69,19 @@ def target_vocab_size(target_dir: str | os.PathLike[str], tokenizer) -> int:
             if isinstance(section.get("vocab_size"), int):
                 sizes.append(section["vocab_size"])
     return max(sizes)
+
+
+def masked_token_counts(
+    input_ids: Sequence[int], loss_mask: Sequence[int], vocab_size: int
+) -> np.ndarray:
+    """How often each token id is masked (trained on) in one sample: int64 [vocab_size], the
+    unit of token_freq (the vocab stage's input)."""
+    masked_ids = np.asarray(input_ids, dtype=np.int64)[np.asarray(loss_mask, dtype=bool)]
+    if masked_ids.size and masked_ids.max() >= vocab_size:
+        raise ValueError(
+            f"token id {int(masked_ids.max())} is outside the target vocabulary of {vocab_size}"
+        )
+    return np.bincount(masked_ids, minlength=vocab_size)
 
 
 def limit_turns(messages: Sequence[Message], max_turns: int | None) -> list[Message]:
@@ -165,17 +177,11 @@ def tokenize_corpus(
             counts["tool_call_turns"] += sum(1 for m in messages if m.get("tool_calls"))
             counts["tokens"] += len(input_ids)
             counts["masked_tokens"] += sum(loss_mask)
-            split = assign_split(
-                record["id"], settings.split_seed, settings.val_fraction, settings.test_fraction
-            )
-            if split == "train":
-                masked_ids = np.asarray(input_ids, dtype=np.int64)[np.asarray(loss_mask, bool)]
-                if masked_ids.max() >= vocab_size:
-                    raise ValueError(
-                        f"{record['id']}: token id {int(masked_ids.max())} is outside the "
-                        f"target vocabulary of {vocab_size}"
-                    )
-                token_freq += np.bincount(masked_ids, minlength=vocab_size)
+            if settings.split.assign(record["id"]) == "train":
+                try:
+                    token_freq += masked_token_counts(input_ids, loss_mask, vocab_size)
+                except ValueError as error:
+                    raise ValueError(f"{record['id']}: {error}") from None
             pending[0].append(record["id"])
             pending[1].append(input_ids)
             pending[2].append(loss_mask)

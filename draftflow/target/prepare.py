@@ -16,11 +16,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from draftflow.io import atomic_write_json, publish_dir, sha256_file
+from draftflow.io import atomic_write_json, sha256_file, staged_dir
 from draftflow.resources import resolve_path
 
 log = logging.getLogger(__name__)
@@ -44,10 +43,22 @@ def prepare_target(
     ``chat_template``: a Jinja file that replaces the checkpoint's own chat template.
     """
     out = Path(out_dir)
-    staging = out.with_name(out.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    with staged_dir(out) as staging:
+        info = _prepare_in(staging, source, gguf, path, dtype, trust_remote_code, chat_template)
+    log.info("target ready in %s: %s", out, info)
+    return info
+
+
+def _prepare_in(
+    staging: Path,
+    source: str,
+    gguf: str | None,
+    path: str | None,
+    dtype: str,
+    trust_remote_code: bool,
+    chat_template: str | None,
+) -> dict[str, Any]:
+    """Write the checkpoint and its description into the empty directory ``staging``."""
     if source == "gguf":
         if not gguf:
             raise ValueError("target.source is 'gguf' but target.gguf is empty: name a GGUF file")
@@ -74,8 +85,6 @@ def prepare_target(
         "revision": checkpoint_revision(staging),
     }
     atomic_write_json(staging / TARGET_INFO, info)
-    publish_dir(staging, out)
-    log.info("target ready in %s: %s", out, info)
     return info
 
 

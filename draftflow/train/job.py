@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from draftflow.config import from_section
 from draftflow.io import read_json
 from draftflow.train.settings import TrainSettings
 
@@ -30,5 +31,5 @@ class TrainJob:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> TrainJob:
         data = read_json(path)
-        data["settings"] = TrainSettings.from_config(data["settings"])
+        data["settings"] = from_section(TrainSettings, data["settings"], "train")
         return cls(**data)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULERS = ("cosine", "linear", "none")
@@ -71,14 +71,6 @@ class TrainSettings:
             raise ValueError(f"train.loss {self.loss!r}: {error}") from None
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
-
-    @classmethod
-    def from_config(cls, section: dict) -> TrainSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"unknown train settings {unknown}; known: {sorted(known)}")
-        return cls(**section)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_checks import assert_cosines_at_least, gpu_engine, random_prompts
 
 from draftflow.capture.backends import EngineSettings, make_backend
 from draftflow.capture.layers import capture_layers
-from draftflow.capture.verify import cosine_summary, token_cosines
 
 LENGTHS = [7, 600, 33, 250, 120, 7, 410, 64, 300]
 MAX_MODEL_LEN = 641
@@ -23,22 +23,11 @@ MIN_P01_COSINE = 0.995
 
 
 def engine_settings(model_runner: str = "default", **changes) -> EngineSettings:
-    values = {
-        "max_model_len": MAX_MODEL_LEN,
-        "max_num_batched_tokens": 128,
-        "max_num_seqs": 4,
+    shape = {
         "kv_cache_memory_bytes": 21_900_000,  # ~880 tokens: requests are preempted
         "engine_args": {"long_prefill_token_threshold": 32},
-        "model_runner": model_runner,
-        "device": "cuda",
-        **changes,
     }
-    return EngineSettings(**values)
-
-
-def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in lengths]
+    return gpu_engine(MAX_MODEL_LEN, model_runner, **{**shape, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +48,7 @@ def hf_reference(smollm2_dir, layers):
 
 
 def assert_close_to(captured, reference, layer_ids) -> dict:
-    assert [c.shape for c in captured] == [r.shape for r in reference]
-    cosines = torch.cat(
-        [token_cosines(c, r.cpu()) for c, r in zip(captured, reference, strict=True)]
-    )
-    summary = cosine_summary(cosines, layer_ids)
-    for layer, values in summary.items():
-        assert values["mean"] >= MIN_MEAN_COSINE, (layer, values)
-        assert values["p01"] >= MIN_P01_COSINE, (layer, values)
-    return summary
+    return assert_cosines_at_least(captured, reference, layer_ids, MIN_MEAN_COSINE, MIN_P01_COSINE)
 
 
 def async_scheduling(llm) -> bool:
@@ -80,7 +61,7 @@ def test_hooks_match_hf_under_both_runners(runner, smollm2_dir, layers, hf_refer
     try:
         assert backend.setup["runner"] == runner and backend.setup["device"].startswith("cuda")
         assert async_scheduling(backend.llm), "async scheduling is off: not the GPU default"
-        prompts = make_prompts(LENGTHS, seed=0)
+        prompts = random_prompts(LENGTHS, seed=0)
         captured = backend.capture(prompts)
         stats = backend.last_stats
         assert stats["requests"] == len(LENGTHS) > 4
@@ -89,7 +70,7 @@ def test_hooks_match_hf_under_both_runners(runner, smollm2_dir, layers, hf_refer
         summary = assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids)
         print(f"hooks {runner} vs hf fp32:", summary, stats)
         # Repeated calls on one engine, reversed order and a duplicate: each its own prompt.
-        again = make_prompts([90, 7, 300, 12], seed=1)
+        again = random_prompts([90, 7, 300, 12], seed=1)
         for batch in (again, [*reversed(again), again[0]]):
             assert_close_to(backend.capture(batch), hf_reference.capture(batch), layers.layer_ids)
     finally:
@@ -102,7 +83,7 @@ def test_native_matches_hf(smollm2_dir, layers, hf_reference):
     backend = make_backend("native", smollm2_dir, layers.layer_ids, settings)
     try:
         assert async_scheduling(backend.llm)
-        prompts = make_prompts([7, 600, 33, 250, 120, 64], seed=4)
+        prompts = random_prompts([7, 600, 33, 250, 120, 64], seed=4)
         captured = backend.capture(prompts)
         again = backend.capture(prompts[:2])
     finally:

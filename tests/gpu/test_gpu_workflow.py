@@ -2,7 +2,7 @@
 (hooks, ``use_gpu: true``), train and bench (speculative decoding, lossless check) all run
 their engines and steps on the GPU, as a user's ``snakemake --resources gpu=1`` would.
 
-Set ``DRAFTFLOW_GPU_KEEP=DIR`` to keep the finished workdir (its draft feeds bench/gpu_spec_decode.py).
+Set ``DRAFTFLOW_GPU_KEEP=DIR`` to keep the finished workdir (its draft feeds perf/gpu_spec_decode.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why ``train.precision: bf16`` pays on CPUs with AMX: the draft's GEMMs are its largest cost.
 Prints GFLOP/s per dtype (median of ``--repeats`` timed products after a warm-up)::
 
-    .venv/bin/python bench/cpu_gemm.py --threads 1
+    .venv/bin/python perf/cpu_gemm.py --threads 1
 """
 
 from __future__ import annotations

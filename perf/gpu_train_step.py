@@ -9,10 +9,10 @@ right shape, the hidden states in the capture store are random (written with the
 
 Three sub-commands (results go to docs/benchmarks.md, section "GPU training")::
 
-    python bench/gpu_train_step.py prepare --root /tmp/gts
-    python bench/gpu_train_step.py ours --root /tmp/gts            # draftflow.train.loop.train
-    torchrun --nproc-per-node 2 bench/gpu_train_step.py ours --root /tmp/gts   # its DDP path
-    python bench/gpu_train_step.py speculators --root /tmp/gts     # speculators' trainer step
+    python perf/gpu_train_step.py prepare --root /tmp/gts
+    python perf/gpu_train_step.py ours --root /tmp/gts            # draftflow.train.loop.train
+    torchrun --nproc-per-node 2 perf/gpu_train_step.py ours --root /tmp/gts   # its DDP path
+    python perf/gpu_train_step.py speculators --root /tmp/gts     # speculators' trainer step
 
 ``ours`` runs the project's whole training path (shard reading, packing, collate, the train
 step, metrics) and reports the median of its logged per-step tokens/s. ``speculators`` runs the
@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from synthetic_store import write_synthetic_store  # bench/, beside this script
+from synthetic_store import write_synthetic_store  # perf/, beside this script
 
 TARGET_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

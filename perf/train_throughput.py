@@ -6,7 +6,7 @@ steps. Reports the median tokens/s of the timed steps (the first ``--warmup`` st
 
 Usage (results go to docs/benchmarks.md, section "Training", with the machine named)::
 
-    .venv/bin/python bench/train_throughput.py --target .test-cache/smollm2 \\
+    .venv/bin/python perf/train_throughput.py --target .test-cache/smollm2 \\
         --tokens-per-batch 2048 --steps 8 --threads 1 [--store-dtype float8_e4m3fn]
 """
 
@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from synthetic_store import write_synthetic_store  # bench/, beside this script
+from synthetic_store import write_synthetic_store  # perf/, beside this script
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Rule bench: one prompt set's tidy CSV and per-request outputs from every engine's result."""
+"""Rule bench_table: one prompt set's tidy CSV and per-request outputs from every engine's result."""
 
 from draftflow.bench.tables import write_dataset_results
 from draftflow.io import read_json

@@ -12,7 +12,7 @@ N prompt lengths instead of ``--lengths`` (the demo's chunk: 64 samples).
 
 Usage (results go to docs/capture.md, "Determinism")::
 
-    flock /tmp/draftflow-heavy.lock .venv/bin/python bench/capture_determinism.py \\
+    flock /tmp/draftflow-heavy.lock .venv/bin/python perf/capture_determinism.py \\
         --model .test-cache/smollm2 --calls 3 --solo --out /tmp/det.json
 """
 

@@ -15,10 +15,10 @@ transformers).
 
 Subcommands::
 
-    python bench/data_scaling.py pack --conversations 12000 --out .gpu-scale       # here
-    python bench/data_scaling.py data --pack .gpu-scale --work W                    # on the GPU
-    python bench/data_scaling.py train --work W --shards 1 4 16 --out OUT           # on the GPU
-    python bench/data_scaling.py draft --weights OUT/draft-16.safetensors ...       # here
+    python studies/data_scaling.py pack --conversations 12000 --out .gpu-scale       # here
+    python studies/data_scaling.py data --pack .gpu-scale --work W                    # on the GPU
+    python studies/data_scaling.py train --work W --shards 1 4 16 --out OUT           # on the GPU
+    python studies/data_scaling.py draft --weights OUT/draft-16.safetensors ...       # here
 
 ``pack`` writes the GGUF in two halves (``part-a`` and ``part-b`` folders), so each part can be
 copied to a GPU node on its own where transfers are size-limited; ``data`` joins them.
@@ -39,9 +39,9 @@ MAX_NEW_TOKENS = 192  # corpus.regenerate.max_tokens
 
 
 def _config() -> dict:
-    import yaml
+    from draftflow.config import load_config
 
-    return yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    return load_config(REPO / "config" / "config.yaml")
 
 
 # ------------------------------------------------------------------ pack (here)
@@ -166,6 +166,7 @@ def data(args: argparse.Namespace) -> None:
     import torch
 
     from draftflow.capture.extract import ExtractSettings, run_extract
+    from draftflow.config import from_section
     from draftflow.data.shard import shard_splits
     from draftflow.data.split import split_samples
     from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
@@ -205,14 +206,7 @@ def data(args: argparse.Namespace) -> None:
 
     mark = time.perf_counter()
     tok, split = config["tokenize"], config["split"]
-    settings = TokenizeSettings(
-        max_length=tok["max_length"],
-        long_samples=tok["long_samples"],
-        max_turns=tok["max_turns"],
-        split_seed=split["seed"],
-        val_fraction=split["val_fraction"],
-        test_fraction=split["test_fraction"],
-    )
+    settings = from_section(TokenizeSettings, tok, "tokenize", split=split)
     tokenize_corpus(
         work / "corpus.jsonl",
         target,
@@ -239,7 +233,8 @@ def data(args: argparse.Namespace) -> None:
 
     mark = time.perf_counter()
     extract = {**config["extract"], "backend": "hf", "use_gpu": device == "cuda"}
-    extract_settings = ExtractSettings.from_config(extract)
+    del extract["num_shards"]  # the DAG's, not a capture job's
+    extract_settings = from_section(ExtractSettings, extract, "extract")
     for split_name, paths in shards.items():
         for path in paths:
             run_extract(path, target, work / "extract" / split_name / path.stem, extract_settings)
@@ -265,6 +260,7 @@ def _subset_vocab(shard_paths: list[Path], vocab_size: int, out: Path, size: int
     import torch
     from safetensors.torch import save_file
 
+    from draftflow.data.tokenize import masked_token_counts
     from draftflow.train.vocab import write_vocab
 
     freq = np.zeros(vocab_size, dtype=np.int64)
@@ -273,8 +269,7 @@ def _subset_vocab(shard_paths: list[Path], vocab_size: int, out: Path, size: int
         for ids, mask in zip(
             table["input_ids"].to_pylist(), table["loss_mask"].to_pylist(), strict=True
         ):
-            ids_array = np.asarray(ids, dtype=np.int64)[np.asarray(mask, dtype=bool)]
-            freq += np.bincount(ids_array, minlength=vocab_size)
+            freq += masked_token_counts(ids, mask, vocab_size)
     freq_path = out.with_name(out.stem + "-freq.safetensors")
     save_file({"token_freq": torch.from_numpy(freq)}, str(freq_path))
     return write_vocab(freq_path, out, out.with_suffix(".json"), draft_vocab_size=size)
@@ -284,6 +279,7 @@ def train(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from draftflow.config import from_section
     from draftflow.train.cli import launch
     from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
@@ -295,7 +291,7 @@ def train(args: argparse.Namespace) -> None:
     vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
     section = {**config["train"], **json.loads(args.train_overrides or "{}")}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    settings = TrainSettings.from_config({**section, "device": device})
+    settings = from_section(TrainSettings, section, "train", device=device)
     shard_entries = json.loads((work / "shards.json").read_text())["splits"]["train"]["shards"]
     results = []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +371,7 @@ def draft(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ bench (here)
 def bench(args: argparse.Namespace) -> None:
-    """The bench rule's engines (vLLM, config.yaml's ``bench:`` settings) for one draft."""
+    """The bench_engines rule's engines (vLLM, config.yaml's ``bench:`` settings) for one draft."""
     from draftflow.bench.prompts import load_prompts
     from draftflow.bench.run import request_settings
     from draftflow.bench.suite import run_benchmark
@@ -390,9 +386,9 @@ def bench(args: argparse.Namespace) -> None:
             path=entry["path"],
             dataset=entry["name"],
             limit=limit,
-            order=entry.get("order", "file"),
-            seed=entry.get("seed", 0),
-            max_turns=settings.get("max_turns"),
+            order=entry["order"],
+            seed=entry["seed"],
+            max_turns=settings["max_turns"],
         )
     tables = run_benchmark(
         prompt_sets=prompt_sets,
@@ -400,8 +396,8 @@ def bench(args: argparse.Namespace) -> None:
         draft=str(args.draft),
         ks=args.ks,
         out_dir=args.out,
-        reserved_cpus=settings.get("reserved_cpus"),
-        **request_settings(settings, dtype=settings.get("dtype") or config["target"]["dtype"]),
+        reserved_cpus=settings["reserved_cpus"],
+        **request_settings(settings, dtype=settings["dtype"] or config["target"]["dtype"]),
     )
     for name, table in tables.items():
         print(name)

@@ -18,9 +18,9 @@ SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the ti
 batch-invariant kernels, ``VLLM_BATCH_INVARIANT=1``; each engine call's requests all in before
 its first step): its price is the ratio to a run without it (docs/capture.md, "Determinism").
 
-    python bench/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
+    python perf/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
         --modes plain hooks-v1 hooks-v2 native --out docs/results/gpu-capture.json
-    python bench/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \
+    python perf/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \
         --modes plain hooks-v1 --deterministic --out docs/results/gpu-capture-deterministic.json
 
 Results: docs/benchmarks.md, "GPU capture".

@@ -17,12 +17,12 @@ command and writes one JSON under ``--out``; ``report`` gathers them into one fi
 
 Usage (docs/benchmarks.md, "fp8 capture store")::
 
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py extract --out results/dtype-cost
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py train --dtype bfloat16 --steps 200
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py train --dtype float8_e4m3fn --steps 200
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py bench --dtype bfloat16
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py bench --dtype float8_e4m3fn
-    PYTHONPATH=$PWD .venv/bin/python bench/store_dtype_cost.py report --json docs/results/store_dtype_cost.json
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py extract --out results/dtype-cost
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py train --dtype bfloat16 --steps 200
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py train --dtype float8_e4m3fn --steps 200
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py bench --dtype bfloat16
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py bench --dtype float8_e4m3fn
+    PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py report --json docs/results/store_dtype_cost.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 DTYPES = ("bfloat16", "float8_e4m3fn")
 RESULTS = Path("results")
@@ -50,7 +49,9 @@ MASSIVE_FACTOR = 10.0
 
 
 def load_config() -> dict:
-    return yaml.safe_load(Path("config/config.yaml").read_text())
+    from draftflow import config
+
+    return config.load_config(Path("config/config.yaml"))
 
 
 def shard_inputs() -> dict[str, Path]:
@@ -111,34 +112,23 @@ def compare_stores(bf16_dir: Path, fp8_dir: Path, layer_ids: list[int]) -> dict:
 
 
 def phase_extract(args: argparse.Namespace) -> dict:
-    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.backends import make_backend
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_extract
+    from draftflow.config import from_section
     from draftflow.data.samples import read_samples
     from draftflow.io import read_json
 
     config = load_config()
-    base = ExtractSettings.from_config(config["extract"])
+    section = {key: value for key, value in config["extract"].items() if key != "num_shards"}
+    base = from_section(ExtractSettings, section, "extract")
     layers = capture_layers(TARGET, base.aux_layers)
     shards = shard_inputs()
     longest = max(
         max(map(len, read_samples(p).column("input_ids").to_pylist())) for p in shards.values()
     )
-    backend = make_backend(
-        "hooks",
-        TARGET,
-        layers.layer_ids,
-        EngineSettings(
-            max_model_len=longest + 1,
-            max_num_batched_tokens=base.max_num_batched_tokens,
-            max_num_seqs=base.max_num_seqs,
-            kv_cache_memory_bytes=base.kv_cache_memory_bytes,
-            gpu_memory_utilization=base.gpu_memory_utilization,
-            reserved_cpus=base.reserved_cpus,
-            engine_args=dict(base.engine_args),
-        ),
-    )
+    backend = make_backend("hooks", TARGET, layers.layer_ids, base.engine(longest + 1))
     runs = []
     try:
         for split, shard in shards.items():
@@ -227,6 +217,7 @@ def phase_compare(args: argparse.Namespace) -> dict:
 
 
 def phase_train(args: argparse.Namespace) -> dict:
+    from draftflow.config import from_section
     from draftflow.train.job import TrainJob
     from draftflow.train.loop import train
     from draftflow.train.settings import TrainSettings
@@ -235,7 +226,7 @@ def phase_train(args: argparse.Namespace) -> dict:
     section = dict(config["train"])
     if args.steps:
         section["max_steps"] = args.steps
-    settings = TrainSettings.from_config(section)
+    settings = from_section(TrainSettings, section, "train")
     work = args.out / args.dtype / "train"
     job = TrainJob(
         target_dir=str(TARGET),
@@ -280,7 +271,7 @@ def phase_bench(args: argparse.Namespace) -> dict:
     bench = config["bench"]
     name = bench["datasets"][0]["name"]
     prompts = read_prompts(RESULTS / "bench" / "prompts" / f"{name}.jsonl")
-    dtype = bench.get("dtype") or config["target"].get("dtype", "bfloat16")
+    dtype = bench["dtype"] or config["target"]["dtype"]
     request = engine_request(
         target=str(TARGET),
         draft=str(args.out / args.dtype / "train" / "draft"),
@@ -289,7 +280,7 @@ def phase_bench(args: argparse.Namespace) -> dict:
         **request_settings(bench, dtype=dtype),
     )
     result = run_engine(
-        request, args.k, args.out / args.dtype / f"bench-k{args.k}.json", bench.get("reserved_cpus")
+        request, args.k, args.out / args.dtype / f"bench-k{args.k}.json", bench["reserved_cpus"]
     )
     return {"dtype": args.dtype, "k": args.k, "dataset": name, "runs": result["runs"]}
 
@@ -314,7 +305,7 @@ def phase_report(args: argparse.Namespace) -> dict:
         platform.processor() or "cpu",
     )
     report = {
-        "command": "bench/store_dtype_cost.py (docs/benchmarks.md, 'fp8 capture store')",
+        "command": "studies/store_dtype_cost.py (docs/benchmarks.md, 'fp8 capture store')",
         "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "notes": args.notes,
         "extract": read_json(args.out / "extract.json"),

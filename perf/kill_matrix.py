@@ -8,8 +8,8 @@ outputs are compared with the reference: identical bytes, within the stage's tol
 capture's verification cosine; train's metrics; bench's structure, since its timings differ by
 nature), or lost (the rerun failed or its outputs differ beyond the tolerance).
 
-    python bench/kill_matrix.py --tiny .test-cache/smollm2 --workdir /tmp/kills --out km.json
-    python bench/kill_matrix.py --workdir DIR_OF_A_FINISHED_RUN --stages extract train
+    python perf/kill_matrix.py --tiny .test-cache/smollm2 --workdir /tmp/kills --out km.json
+    python perf/kill_matrix.py --workdir DIR_OF_A_FINISHED_RUN --stages extract train
 
 ``--tiny TARGET`` builds the test suite's tiny workflow (tests/configs/tiny.yaml, with
 regeneration on) in ``--workdir`` and runs it once as the reference.

@@ -9,7 +9,7 @@ Each mode runs in its own process (one engine each, same settings, same thread p
 
 Usage (results go to docs/benchmarks.md, section "Capture", with the machine named)::
 
-    .venv/bin/python bench/capture_throughput.py --model .test-cache/smollm2 \\
+    .venv/bin/python perf/capture_throughput.py --model .test-cache/smollm2 \\
         --prompts 64 --length 300 --threads 1 --modes plain hooks native hf
 """
 

@@ -11,7 +11,7 @@ them over; 0 = all at once), in two modes:
 The tail is what a capture pays after its engine has finished. The host's sha256 and write
 rates are measured too (the tail of ``buffered`` is about a chunk at the slower of the two).
 
-    PYTHONPATH=$PWD python bench/store_tail.py --out docs/results/store-tail.json
+    PYTHONPATH=$PWD python perf/store_tail.py --out docs/results/store-tail.json
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ optional ``--epochs`` override used by both runs alike.
 
 Files are gzipped; ``train`` unpacks them to a scratch folder first::
 
-    python bench/gpu_vs_cpu_train.py pack --results results --target resources/target --out .gpu-e2e
-    python bench/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cpu --threads 1
-    python bench/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cuda
-    python bench/gpu_vs_cpu_train.py compare cpu/metrics-cpu.jsonl gpu/metrics-cuda.jsonl ...
+    python studies/gpu_vs_cpu_train.py pack --results results --target resources/target --out .gpu-e2e
+    python studies/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cpu --threads 1
+    python studies/gpu_vs_cpu_train.py train --data .gpu-e2e --work /tmp/e2e --device cuda
+    python studies/gpu_vs_cpu_train.py compare cpu/metrics-cpu.jsonl gpu/metrics-cuda.jsonl ...
 """
 
 from __future__ import annotations
@@ -171,16 +171,16 @@ def unpack(data: Path, work: Path) -> Path:
 
 def train(args: argparse.Namespace) -> None:
     import torch
-    import yaml
 
+    from draftflow.config import from_section, load_config
     from draftflow.train.cli import launch
     from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 
     data = unpack(args.data, args.work)
-    section = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["train"]
-    settings = TrainSettings.from_config(section)
+    section = load_config(REPO / "config" / "config.yaml")["train"]
+    settings = from_section(TrainSettings, section, "train")
     overrides = {"device": args.device, "threads": args.threads}
     if args.epochs is not None:
         overrides["epochs"] = args.epochs

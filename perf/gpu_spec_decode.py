@@ -10,7 +10,7 @@ whether every greedy output equals the plain target's, and the cost of one specu
 plain decoding steps (τ / speed-up); per batch, the best k where its speed-up interval lies above
 every other k's, else the k that tie.
 
-    python bench/gpu_spec_decode.py --target T --draft D --prompts P.jsonl --out R.json
+    python perf/gpu_spec_decode.py --target T --draft D --prompts P.jsonl --out R.json
 
 ``P.jsonl``: chat prompts as the bench stage reads them (``{"id", "turns": [...]}`` per line).
 At batch 1 a unit is one conversation; at batch B, B conversations decoded together, so

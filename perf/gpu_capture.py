@@ -6,7 +6,7 @@ back) over the same random-token prompts, after a warm-up call:
 - ``plain``: ``vllm.LLM.generate(max_tokens=1)`` with the capture engines' arguments
   (``capture_engine_kwargs``: eager, no prefix caching) and no capture;
 - ``hooks-v1``, ``hooks-v2``: the hooks backend under the V1 runner / Model Runner V2, through
-  the extract stage's own capture loop into a capture store (``ShardWriter``), store closed
+  the extract stage's own capture loop into a capture store (``CaptureWriter``), store closed
   (manifest and checksums written) inside the timed interval;
 - ``native``: vLLM's ``extract_hidden_states`` through the same loop and store;
 - ``hf``: transformers (needs real weights: random ones are built and saved first).
@@ -99,7 +99,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from draftflow.capture.backends import EngineSettings, capture_engine_kwargs, make_backend
     from draftflow.capture.extract import _capture_all
     from draftflow.capture.layers import capture_layers
-    from draftflow.capture.store import ShardWriter
+    from draftflow.capture.store import CaptureWriter
     from draftflow.engine import engine_env, shutdown_engine, start_engine
 
     model_dir = Path(args.root) / (args.model + ("-weights" if args.mode == "hf" else ""))
@@ -141,7 +141,7 @@ def run_mode(args: argparse.Namespace) -> dict:
                 backend.capture(batch)
                 return {}
             shutil.rmtree(out, ignore_errors=True)
-            writer = ShardWriter(
+            writer = CaptureWriter(
                 out,
                 layer_ids=layers.layer_ids,
                 aux_layer_ids=layers.aux_layer_ids,

@@ -5,7 +5,7 @@ An EAGLE-3 draft (1 decoder layer) for a Llama-3.1-8B-shaped target: hidden 4096
 2048-token samples packed 8192 tokens per step, ttt_steps 3, bf16 autocast, AdamW, eager KL loss.
 Everything is synthetic: the target's embedding, lm_head and final norm are random tensors of the
 right shape, the hidden states in the capture store are random (written with the capture stage's
-``ShardWriter``), and the draft vocabulary comes from random token counts.
+``CaptureWriter``), and the draft vocabulary comes from random token counts.
 
 Three sub-commands (results go to docs/benchmarks.md, section "GPU training")::
 
@@ -195,7 +195,7 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
     from speculators.losses import resolve_loss_config
     from speculators.train.optimizers import build_optimizers
 
-    from draftflow.train.data import ShardSet, TrainPlan, collate
+    from draftflow.train.captures import CaptureSet, TrainPlan, collate
     from draftflow.train.model import build_draft_model
     from draftflow.train.vocab import read_vocab
 
@@ -203,7 +203,7 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
     settings = job.settings
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    shards = ShardSet(job.train_shards)
+    shards = CaptureSet(job.train_shards)
     d2t, t2d = read_vocab(job.vocab_path)
     # speculators' Eagle3DraftModel.from_training_args, the call its trainer's CLI makes.
     model = build_draft_model(

@@ -1,7 +1,7 @@
 """The capture store's tail: time from the last ``add()`` to the return of ``close()``.
 
 One chunk of ``--samples`` samples of ``--tokens`` tokens, ``--layers`` × ``--hidden`` states,
-handed to a ``ShardWriter`` at a steady pace (``--arrival-gbps`` of states, as an engine hands
+handed to a ``CaptureWriter`` at a steady pace (``--arrival-gbps`` of states, as an engine hands
 them over; 0 = all at once), in two modes:
 
 - ``buffered``: no ``expect()``: the chunk is written and hashed once its last sample is added;
@@ -57,11 +57,11 @@ def host_rates(root: Path, nbytes: int = 256 << 20) -> dict:
 
 
 def one_run(mode: str, samples: list[torch.Tensor], args: argparse.Namespace, out: Path) -> dict:
-    from draftflow.capture.store import ShardWriter
+    from draftflow.capture.store import CaptureWriter
 
     shutil.rmtree(out, ignore_errors=True)
     layer_ids = list(range(1, args.layers + 1))
-    writer = ShardWriter(
+    writer = CaptureWriter(
         out,
         layer_ids=layer_ids,
         aux_layer_ids=layer_ids[:-1],

@@ -1,7 +1,7 @@
 """A synthetic capture store for the training benchmarks: random values, real formats.
 
 Random hidden states of the target's capture layout, written with the capture stage's
-``ShardWriter`` (so the train loop reads them as it reads real shards), and a draft vocabulary
+``CaptureWriter`` (so the train loop reads them as it reads real shards), and a draft vocabulary
 made by the vocab stage from random token counts. Throughput does not depend on the values.
 """
 
@@ -29,7 +29,7 @@ def write_synthetic_store(
     from safetensors.torch import save_file
 
     from draftflow.capture.layers import capture_layers
-    from draftflow.capture.store import ShardWriter
+    from draftflow.capture.store import CaptureWriter
     from draftflow.io import read_json
     from draftflow.train.vocab import write_vocab
 
@@ -40,7 +40,7 @@ def write_synthetic_store(
     dirs: dict[str, list[str]] = {}
     for split, count in (("train", train_samples), ("val", val_samples)):
         out = root / split / "shard-00000"
-        writer = ShardWriter(
+        writer = CaptureWriter(
             out,
             layer_ids=layers.layer_ids,
             aux_layer_ids=layers.aux_layer_ids,

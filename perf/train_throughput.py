@@ -1,7 +1,7 @@
 """Draft training throughput: packed train tokens per second for the demo's draft.
 
 Builds a synthetic capture store (random hidden states of the target's shape, written with the
-capture stage's ShardWriter) and a draft vocabulary, then runs the real training loop for a few
+capture stage's CaptureWriter) and a draft vocabulary, then runs the real training loop for a few
 steps. Reports the median tokens/s of the timed steps (the first ``--warmup`` steps excluded).
 
 Usage (results go to docs/benchmarks.md, section "Training", with the machine named)::

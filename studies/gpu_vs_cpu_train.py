@@ -10,7 +10,7 @@ optional ``--epochs`` override used by both runs alike.
 
 - the val samples in file order up to ``--val-max-mb`` of hidden states, then the train
   samples in file order up to ``--max-mb`` in all, rewritten with the capture stage's
-  ``ShardWriter`` (same layers and provenance);
+  ``CaptureWriter`` (same layers and provenance);
 - the draft vocabulary;
 - the target's ``config.json`` and the three tensors the draft reads from it (embeddings,
   lm_head when untied, final norm). Rows that neither a sample's tokens, token 0 (the padding
@@ -48,11 +48,11 @@ def _gzip(source: Path, dest: Path) -> None:
 def _copy_subset(shard_dirs: list[Path], out: Path, max_bytes: float | None) -> dict:
     """Samples of ``shard_dirs`` in order (until ``max_bytes`` of states) into one new shard."""
 
-    from draftflow.capture.store import ShardReader, ShardWriter
+    from draftflow.capture.store import CaptureReader, CaptureWriter
 
-    readers = [ShardReader(d) for d in shard_dirs]
+    readers = [CaptureReader(d) for d in shard_dirs]
     first = readers[0].manifest
-    writer = ShardWriter(
+    writer = CaptureWriter(
         out,
         layer_ids=first["layer_ids"],
         aux_layer_ids=first["aux_layer_ids"],

@@ -79,9 +79,9 @@ def chunk_bytes(directory: Path) -> tuple[int, int]:
 
 def compare_stores(bf16_dir: Path, fp8_dir: Path, layer_ids: list[int]) -> dict:
     """Per layer: cosine of dequantized fp8 to bf16 over every token, and over massive tokens."""
-    from draftflow.capture.store import ShardReader
+    from draftflow.capture.store import CaptureReader
 
-    bf16, fp8 = ShardReader(bf16_dir), ShardReader(fp8_dir)
+    bf16, fp8 = CaptureReader(bf16_dir), CaptureReader(fp8_dir)
     cosines, amaxes, rel_err = [], [], []
     for i in range(len(bf16)):
         want, got = bf16.hidden_states(i), fp8.hidden_states(i)

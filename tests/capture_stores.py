@@ -1,4 +1,4 @@
-"""Capture stores for the tests: written through ShardWriter from samples held in memory."""
+"""Capture stores for the tests: written through CaptureWriter from samples held in memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from draftflow.capture.quant import BF16
-from draftflow.capture.store import ShardWriter
+from draftflow.capture.store import CaptureWriter
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ def random_samples(
 
 def open_writer(
     out: str | Path, shape: StoreShape, meta: dict[str, Any], **options: Any
-) -> ShardWriter:
-    """A ShardWriter of ``shape``; ``options``: chunk_samples, store_dtype."""
-    return ShardWriter(
+) -> CaptureWriter:
+    """A CaptureWriter of ``shape``; ``options``: chunk_samples, store_dtype."""
+    return CaptureWriter(
         out,
         layer_ids=list(shape.layer_ids),
         aux_layer_ids=list(shape.aux_layer_ids),

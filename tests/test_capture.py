@@ -23,7 +23,7 @@ from draftflow.capture.backends import (
 from draftflow.capture.backends.hooks import match_request_ids
 from draftflow.capture.extract import ExtractSettings, VerifySettings, partial_dir, run_extract
 from draftflow.capture.layers import capture_layers, default_aux_layers
-from draftflow.capture.store import ShardReader
+from draftflow.capture.store import CaptureReader
 from draftflow.capture.verify import CaptureVerificationError, cosine_summary, token_cosines
 from draftflow.data.samples import samples_table, write_samples
 
@@ -295,7 +295,7 @@ def test_extract_resume_and_verification(tmp_path, smollm2_dir, hooks_backend):
     verification = manifest["verification"]
     assert verification["passed"] and len(verification["samples"]) == 3
     assert not partial_dir(out).exists()
-    reader = ShardReader(out)
+    reader = CaptureReader(out)
     assert reader.sample_ids == ids
     sample = reader.get(2)
     assert sample["input_ids"].tolist() == prompts[2]
@@ -323,7 +323,7 @@ def test_failed_verification_names_layer_and_keeps_store(tmp_path, smollm2_dir, 
     with pytest.raises(CaptureVerificationError, match=r"layer \d+: mean cosine 0\.9\d+ < 1\.0"):
         run_extract(tmp_path / "shard-00001.parquet", smollm2_dir, out, settings, hooks_backend)
     assert not out.exists()
-    assert ShardReader(partial_dir(out)).manifest["verification"]["passed"] is False
+    assert CaptureReader(partial_dir(out)).manifest["verification"]["passed"] is False
 
 
 @pytest.mark.vllm
@@ -363,4 +363,4 @@ def test_hf_extract_without_vllm_and_empty_shard(tmp_path, smollm2_dir):
     write_samples(tmp_path / "shard-00001.parquet", samples_table([], [], []))
     empty = run_extract(tmp_path / "shard-00001.parquet", smollm2_dir, tmp_path / "e", settings)
     assert empty["num_samples"] == 0 and empty["verification"]["passed"]
-    assert len(ShardReader(tmp_path / "e")) == 0
+    assert len(CaptureReader(tmp_path / "e")) == 0

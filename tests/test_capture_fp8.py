@@ -10,8 +10,8 @@ from capture_stores import StoreShape, open_writer, random_samples, write_store
 from safetensors import safe_open
 
 from draftflow.capture.quant import FP8_MAX, dequantize, quantize_fp8, state_bytes_per_token
-from draftflow.capture.store import ShardReader
-from draftflow.train.data import ShardSet, collate, dequantize_batch
+from draftflow.capture.store import CaptureReader
+from draftflow.train.captures import CaptureSet, collate, dequantize_batch
 
 LAYERS = [2, 4, 7, 8]
 AUX = [2, 4, 7]
@@ -57,7 +57,7 @@ def test_fp8_store_round_trip_bytes_and_manifest(tmp_path):
     assert bf16["dtype"] == "bfloat16" and "scales" not in bf16
     assert fp8["dtype"] == "float8_e4m3fn"
     assert fp8["scales"]["tensor"] == "hidden_scales" and fp8["scales"]["dtype"] == "float32"
-    bf16_reader, fp8_reader = ShardReader(tmp_path / "bf16"), ShardReader(tmp_path / "fp8")
+    bf16_reader, fp8_reader = CaptureReader(tmp_path / "bf16"), CaptureReader(tmp_path / "fp8")
     for i, sample in enumerate(samples):
         raw = fp8_reader.get(i)
         assert raw["hidden_states"].dtype == torch.float8_e4m3fn
@@ -121,7 +121,7 @@ def test_collate_dequantizes_on_the_host_and_on_the_device_alike(tmp_path):
     write_store(
         tmp_path / "fp8", samples, SHAPE, META, store_dtype="float8_e4m3fn", chunk_samples=2
     )
-    fp8_shards, bf16_shards = ShardSet([tmp_path / "fp8"]), ShardSet([tmp_path / "bf16"])
+    fp8_shards, bf16_shards = CaptureSet([tmp_path / "fp8"]), CaptureSet([tmp_path / "bf16"])
     refs = fp8_shards.samples[:4]
     tokens = sum(r.num_tokens for r in refs)  # room for all, plus padding
     for dtype in (torch.float32, torch.bfloat16):
@@ -203,7 +203,7 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     # CPU engine need not give the same bf16 bits (docs/capture.md, "Determinism"), so compare
     # values, not bytes: every token's scale within a few bf16 steps of the bf16 capture's, every
     # dequantized token pointing the same way.
-    bf16_reader, fp8_reader = ShardReader(bf16_dir), ShardReader(fp8_dir)
+    bf16_reader, fp8_reader = CaptureReader(bf16_dir), CaptureReader(fp8_dir)
     for i in range(len(lengths)):
         reference = bf16_reader.get(i)["hidden_states"].float()
         stored = fp8_reader.get(i)

@@ -13,7 +13,7 @@ import torch
 from capture_stores import StoreShape, open_writer, random_samples, write_store
 from safetensors import safe_open
 
-from draftflow.capture.store import CorruptShardError, ShardReader, update_manifest
+from draftflow.capture.store import CaptureReader, CorruptCaptureError, update_manifest
 
 LAYERS = [2, 4, 7, 8]
 AUX = [2, 4, 7]
@@ -55,7 +55,7 @@ def test_round_trip_layout_and_manifest(tmp_path):
         assert handle.get_tensor("input_ids").dtype == torch.int32
         assert handle.get_tensor("loss_mask").dtype == torch.int8
 
-    reader = ShardReader(tmp_path / "shard")
+    reader = CaptureReader(tmp_path / "shard")
     assert len(reader) == 10
     assert reader.sample_ids == [s["id"] for s in samples]
     for i, sample in enumerate(samples):
@@ -110,8 +110,8 @@ KILL_SCRIPT = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_capture_store import make_samples, LAYERS, AUX, HIDDEN, META
-    from draftflow.capture.store import ShardWriter
-    writer = ShardWriter({out!r}, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN,
+    from draftflow.capture.store import CaptureWriter
+    writer = CaptureWriter({out!r}, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN,
                          meta=META, chunk_samples=4)
     for count, s in enumerate(make_samples(11), start=1):
         writer.add(s["id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
@@ -138,17 +138,17 @@ def test_kill_and_resume_in_subprocess(tmp_path):
 def test_corrupt_file_is_named(tmp_path):
     out = tmp_path / "shard"
     write_store(out, make_samples(6), SHAPE, META)
-    ShardReader(out)  # intact
+    CaptureReader(out)  # intact
     chunk = out / "chunk-00001.safetensors"
     data = bytearray(chunk.read_bytes())
     data[-3] ^= 0xFF  # flip bits in the last tensor's bytes
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptShardError, match=r"chunk-00001\.safetensors"):
-        ShardReader(out)
-    ShardReader(out, verify=False)  # opt-out still opens it
+    with pytest.raises(CorruptCaptureError, match=r"chunk-00001\.safetensors"):
+        CaptureReader(out)
+    CaptureReader(out, verify=False)  # opt-out still opens it
     chunk.unlink()
-    with pytest.raises(CorruptShardError, match="missing"):
-        ShardReader(out)
+    with pytest.raises(CorruptCaptureError, match="missing"):
+        CaptureReader(out)
 
 
 def test_update_manifest_keeps_checksums(tmp_path):
@@ -156,7 +156,7 @@ def test_update_manifest_keeps_checksums(tmp_path):
     write_store(out, make_samples(3), SHAPE, META)
     manifest = update_manifest(out, {"verification": {"passed": True}})
     assert manifest["verification"] == {"passed": True}
-    ShardReader(out)
+    CaptureReader(out)
     with pytest.raises(ValueError, match="files"):
         update_manifest(out, {"files": {}})
 

@@ -1,4 +1,4 @@
-"""Chunks written sample by sample (ShardWriter.expect): the same bytes as a whole-chunk writer."""
+"""Chunks written sample by sample (CaptureWriter.expect): the same bytes as a whole-chunk writer."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import draftflow.capture.chunk_file as chunk_file
 from draftflow.capture.quant import quantize_fp8
-from draftflow.capture.store import ShardReader, ShardWriter
+from draftflow.capture.store import CaptureReader, CaptureWriter
 
 LAYERS = [1, 3, 5, 6]
 AUX = [1, 3, 5]
@@ -47,8 +47,8 @@ def make_samples(lengths: list[int], seed: int = 0) -> list[dict]:
 LENGTHS = [1, 700, 3, 37, 1, 2, 1500, 9, 64, 1, 250]
 
 
-def new_writer(out: Path, store_dtype: str, chunk_samples: int = 4) -> ShardWriter:
-    return ShardWriter(
+def new_writer(out: Path, store_dtype: str, chunk_samples: int = 4) -> CaptureWriter:
+    return CaptureWriter(
         out,
         layer_ids=LAYERS,
         aux_layer_ids=AUX,
@@ -131,7 +131,7 @@ def test_streamed_chunks_equal_a_reference_writer_and_the_buffered_store(tmp_pat
         assert torch.equal(loaded["input_ids"], torch.cat([s["input_ids"] for s in chunk]))
         assert torch.equal(loaded["loss_mask"], torch.cat([s["loss_mask"] for s in chunk]))
         assert loaded["hidden_states"].dtype == getattr(torch, store_dtype)
-    reader = ShardReader(tmp_path / "streamed")
+    reader = CaptureReader(tmp_path / "streamed")
     for i, sample in enumerate(samples):
         got = reader.get(i)
         assert torch.equal(got["input_ids"], sample["input_ids"])
@@ -162,7 +162,7 @@ def test_samples_are_on_disk_before_their_chunk_is_full(tmp_path):
     writer.add(s["id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
     writer.close()
     assert not list(tmp_path.glob(".*.tmp"))
-    assert len(ShardReader(tmp_path)) == 4
+    assert len(CaptureReader(tmp_path)) == 4
 
 
 def test_announced_samples_must_come_as_announced(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from capture_stores import StoreShape, write_store
 
-from draftflow.train.data import SampleRef, ShardSet, collate
+from draftflow.train.captures import CaptureSet, SampleRef, collate
 
 LAYER_IDS = [2, 5, 7, 9]
 AUX_IDS = [2, 5, 7]
@@ -14,7 +14,7 @@ HIDDEN = 8
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> ShardSet:
+def shards(tmp_path_factory) -> CaptureSet:
     out = tmp_path_factory.mktemp("collate") / "shard-00000"
     generator = torch.Generator().manual_seed(0)
     samples = []
@@ -27,10 +27,10 @@ def shards(tmp_path_factory) -> ShardSet:
         )
     shape = StoreShape(LAYER_IDS, AUX_IDS, HIDDEN)
     write_store(out, samples, shape, {"backend": "synthetic"}, chunk_samples=2)
-    return ShardSet([out])
+    return CaptureSet([out])
 
 
-def reference(shards: ShardSet, refs: list[SampleRef], tokens: int, dtype, pad: bool) -> dict:
+def reference(shards: CaptureSet, refs: list[SampleRef], tokens: int, dtype, pad: bool) -> dict:
     """Shift each sample with speculators' function, gather layers, concatenate, pad."""
     from speculators.models.eagle3 import shift_batch
 

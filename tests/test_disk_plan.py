@@ -21,7 +21,7 @@ from draftflow.capture.plan import (
     format_plan,
     plan_extract,
 )
-from draftflow.capture.store import CorruptShardError, ShardReader
+from draftflow.capture.store import CaptureReader, CorruptCaptureError
 from draftflow.data.samples import samples_table, write_samples
 from draftflow.io import DiskFullError
 
@@ -164,7 +164,7 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
     assert manifest["dtype"] == "float8_e4m3fn" and manifest["verification"]["passed"]
     tensors, everything = store_bytes(out)
     assert tensors == plan["tensor_bytes"] and everything <= need
-    assert ShardReader(out).hidden_states(0).shape == (300, 4, 576)
+    assert CaptureReader(out).hidden_states(0).shape == (300, 4, 576)
 
 
 def fill_when(first: Path, filler: Path, stop: threading.Event) -> threading.Thread:
@@ -218,8 +218,8 @@ def test_extract_on_a_disk_that_fills_mid_run_keeps_its_chunks_and_resumes_to_th
     assert "chunk-00000.safetensors" in kept and not [n for n in kept if n.endswith(".tmp")]
     assert len([n for n in kept if n.startswith("chunk-")]) < len(lengths)
     assert not (out / "manifest.json").exists()
-    with pytest.raises(CorruptShardError, match="is missing"):
-        ShardReader(out)
+    with pytest.raises(CorruptCaptureError, match="is missing"):
+        CaptureReader(out)
 
     # Space freed: the rerun keeps the finished chunks and ends with the reference's bytes.
     filler.unlink()

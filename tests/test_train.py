@@ -1,6 +1,6 @@
 """Draft training on a tiny capture store made from the real SmolLM2 target (CPU).
 
-The store is written with the capture stage's ``ShardWriter`` from transformers' hidden states of
+The store is written with the capture stage's ``CaptureWriter`` from transformers' hidden states of
 greedy target continuations, so the draft learns the target's own distribution and its training
 prompts make a fair over-fitting check in vLLM.
 """
@@ -364,8 +364,8 @@ def test_trained_draft_is_accepted_in_vllm(trained, tiny_store, tmp_path):
 
 def test_data_parallel_over_two_ranks(trained, tiny_store, tmp_path):
     """The torchrun path (gloo on the CPU; NCCL on GPUs): one batch per rank per step."""
+    from draftflow.train.captures import CaptureSet, TrainPlan
     from draftflow.train.cli import launch
-    from draftflow.train.data import ShardSet, TrainPlan
 
     job = _job(tiny_store, tmp_path, max_steps=4, device="cpu", eval_every=4, checkpoint_every=2)
     launch(job, 2)
@@ -373,7 +373,7 @@ def test_data_parallel_over_two_ranks(trained, tiny_store, tmp_path):
     records = read_metrics(job.metrics_path)
     steps = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    plan = TrainPlan(ShardSet(job.train_shards), 128, 1, 0, world_size=2, max_steps=4)
+    plan = TrainPlan(CaptureSet(job.train_shards), 128, 1, 0, world_size=2, max_steps=4)
     for step, record in enumerate(steps):
         both = [min(128, sum(r.num_tokens - 1 for r in plan.batch(step, rank))) for rank in (0, 1)]
         assert record["tokens"] == sum(both)

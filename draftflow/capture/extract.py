@@ -31,7 +31,7 @@ from draftflow.capture.backends import (
 from draftflow.capture.layers import capture_layers
 from draftflow.capture.plan import check_free_space, plan_store
 from draftflow.capture.quant import BF16
-from draftflow.capture.store import ShardWriter, update_manifest
+from draftflow.capture.store import CaptureWriter, update_manifest
 from draftflow.capture.verify import CaptureVerificationError, verify_shard
 from draftflow.data.samples import read_samples
 from draftflow.io import publish_dir, read_json, sha256_file
@@ -153,7 +153,7 @@ def run_extract(
     # One spare position: vLLM wants room for the one token it samples.
     engine = settings.engine(max((len(ids_) for ids_ in input_ids), default=1) + 1)
     work = partial_dir(out_dir)
-    writer = ShardWriter(
+    writer = CaptureWriter(
         work,
         layer_ids=layers.layer_ids,
         aux_layer_ids=layers.aux_layer_ids,
@@ -229,7 +229,7 @@ def run_extract(
 
 
 def _capture_all(
-    writer: ShardWriter,
+    writer: CaptureWriter,
     backend: CaptureBackend,
     start: int,
     ids: list[str],

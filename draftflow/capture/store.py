@@ -47,7 +47,7 @@ MANIFEST_NAME = "manifest.json"
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.safetensors$")
 
 
-class CorruptShardError(RuntimeError):
+class CorruptCaptureError(RuntimeError):
     """A shard directory whose files do not match its manifest (or that has none)."""
 
 
@@ -60,7 +60,7 @@ def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-class ShardWriter:
+class CaptureWriter:
     """Append captured samples in input order; resumable after a kill.
 
     ``meta`` (model path, model_revision, vllm_version, backend, ...) goes into the manifest and,
@@ -197,9 +197,9 @@ class ShardWriter:
         sample only. Without it, a chunk is written once it is full. Call it before ``add()``.
         """
         if self._closed or self._added:
-            raise RuntimeError("ShardWriter.expect() must come before the first add()")
+            raise RuntimeError("CaptureWriter.expect() must come before the first add()")
         if self._expected is not None:
-            raise RuntimeError("ShardWriter.expect() called twice")
+            raise RuntimeError("CaptureWriter.expect() called twice")
         expected = [(str(sample_id), int(length)) for sample_id, length in samples]
         for sample_id, length in expected:
             if length < 1:
@@ -222,7 +222,7 @@ class ShardWriter:
         full. Blocks only while ``write_threads`` finished chunks are still being written.
         """
         if self._closed:
-            raise RuntimeError("ShardWriter.add() after close()")
+            raise RuntimeError("CaptureWriter.add() after close()")
         if sample_id in self._seen:
             raise ValueError(f"sample {sample_id!r} is already in the store {self.out_dir}")
         input_ids = torch.as_tensor(input_ids)
@@ -347,7 +347,7 @@ class ShardWriter:
     def close(self) -> dict:
         """Write the last (short) chunk, then index.json and manifest.json; return the manifest."""
         if self._closed:
-            raise RuntimeError("ShardWriter.close() called twice")
+            raise RuntimeError("CaptureWriter.close() called twice")
         self._closed = True
         cut_short = self._expected is not None and self._added != len(self._expected)
         try:
@@ -419,17 +419,17 @@ def update_manifest(shard_dir: str | os.PathLike[str], fields: dict) -> dict:
     return manifest
 
 
-class ShardReader:
+class CaptureReader:
     """Random access to a finished shard; tensors are read through memory maps, slice by slice."""
 
     def __init__(self, shard_dir: str | os.PathLike[str], verify: bool = True) -> None:
         self.shard_dir = Path(shard_dir)
         manifest_path = self.shard_dir / MANIFEST_NAME
         if not manifest_path.is_file():
-            raise CorruptShardError(f"{manifest_path} is missing: the shard is incomplete")
+            raise CorruptCaptureError(f"{manifest_path} is missing: the shard is incomplete")
         self.manifest: dict = read_json(manifest_path)
         if not self.manifest.get("complete"):
-            raise CorruptShardError(f"{manifest_path} does not say complete: true")
+            raise CorruptCaptureError(f"{manifest_path} does not say complete: true")
         if verify:
             self.verify()
         index = read_json(self.shard_dir / INDEX_NAME)["samples"]
@@ -441,14 +441,14 @@ class ShardReader:
         self._handles: dict[str, Any] = {}
 
     def verify(self) -> None:
-        """Raise CorruptShardError naming the first file whose sha256 differs from the manifest."""
+        """Raise CorruptCaptureError naming the first file whose sha256 differs from the manifest."""
         for name, expected in sorted(self.manifest["files"].items()):
             path = self.shard_dir / name
             if not path.is_file():
-                raise CorruptShardError(f"{path} is listed in the manifest but missing")
+                raise CorruptCaptureError(f"{path} is listed in the manifest but missing")
             actual = sha256_file(path)
             if actual != expected:
-                raise CorruptShardError(
+                raise CorruptCaptureError(
                     f"{path} is corrupt: sha256 {actual} != {expected} in {MANIFEST_NAME}"
                 )
 

@@ -15,7 +15,7 @@ import os
 import torch
 
 from draftflow.capture.backends import EngineSettings
-from draftflow.capture.store import ShardReader
+from draftflow.capture.store import CaptureReader
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def verify_shard(
     """
     from draftflow.capture.backends.hf import HFBackend
 
-    reader = ShardReader(shard_dir)
+    reader = CaptureReader(shard_dir)
     columns, layer_ids = verified_layers(reader.layer_ids, max_layer)
     num_layers = layer_ids[-1] if max_layer is not None else None
     reference_name = f"hf {settings.hf_dtype}" + (

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from draftflow.train.data import ShardSet, TrainPlan, collate, dequantize_batch
+from draftflow.train.captures import CaptureSet, TrainPlan, collate, dequantize_batch
 from draftflow.train.distributed import Placement, uses_bf16
 from draftflow.train.settings import TrainSettings
 
@@ -29,7 +29,7 @@ def pad_batches(placement: Placement) -> bool:
 
 def train_batches(
     plan: TrainPlan,
-    shards: ShardSet,
+    shards: CaptureSet,
     start: int,
     end: int,
     settings: TrainSettings,

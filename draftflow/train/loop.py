@@ -23,8 +23,8 @@ from draftflow.train.batching import (
     to_device,
     train_batches,
 )
+from draftflow.train.captures import CaptureSet, TrainPlan, collate, val_batches
 from draftflow.train.checkpoint import resume, save_checkpoint, shard_digest
-from draftflow.train.data import ShardSet, TrainPlan, collate, val_batches
 from draftflow.train.distributed import Placement, autocast, init_placement, reduce_sum
 from draftflow.train.export import export_draft
 from draftflow.train.job import TrainJob
@@ -56,7 +56,7 @@ def loss_implementation(settings: TrainSettings) -> str:
 
 # ------------------------------------------------------------------ evaluation
 @torch.no_grad()
-def evaluate(model, shards: ShardSet, job: TrainJob, placement: Placement, call_kwargs) -> dict:
+def evaluate(model, shards: CaptureSet, job: TrainJob, placement: Placement, call_kwargs) -> dict:
     """Counted metrics over the whole val set (each rank its share, summed over ranks)."""
     settings = job.settings
     model.eval()
@@ -93,8 +93,8 @@ def train(job: TrainJob) -> dict | None:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
 
-    train_shards = ShardSet(job.train_shards)
-    val_shards = ShardSet(job.val_shards)
+    train_shards = CaptureSet(job.train_shards)
+    val_shards = CaptureSet(job.val_shards)
     d2t, t2d = read_vocab(job.vocab_path)
     attn_impl = resolve_attn_impl(settings.attn_impl, placement.device)
     model = build_draft_model(

@@ -2,7 +2,7 @@
 
 Nothing is loaded up front: the shard indexes give every sample's length, batches are planned
 from lengths alone, and a batch reads only its samples' rows through the shards' memory maps.
-Each shard's sha256s are checked (``ShardReader.verify``) the first time one of its samples is
+Each shard's sha256s are checked (``CaptureReader.verify``) the first time one of its samples is
 read. The plan is a pure function of (seed, epoch), so step n always sees the same batch: a
 resumed run just starts at its step.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from draftflow.capture.quant import dequantize
-from draftflow.capture.store import SCALES_NAME, ShardReader
+from draftflow.capture.store import SCALES_NAME, CaptureReader
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +28,13 @@ class SampleRef:
     num_tokens: int
 
 
-class ShardSet:
+class CaptureSet:
     """All samples of a list of shard directories, with their layer layout checked."""
 
     def __init__(self, shard_dirs: list[str | os.PathLike[str]]) -> None:
         if not shard_dirs:
             raise ValueError("no capture shards given")
-        self.readers = [ShardReader(d, verify=False) for d in shard_dirs]
+        self.readers = [CaptureReader(d, verify=False) for d in shard_dirs]
         self._verified: set[int] = set()
         first = self.readers[0].manifest
         for reader in self.readers[1:]:
@@ -111,7 +111,7 @@ class TrainPlan:
 
     def __init__(
         self,
-        shards: ShardSet,
+        shards: CaptureSet,
         tokens_per_batch: int,
         epochs: int,
         seed: int,
@@ -157,7 +157,7 @@ class TrainPlan:
 
 
 def val_batches(
-    shards: ShardSet, tokens_per_batch: int, rank: int = 0, world_size: int = 1
+    shards: CaptureSet, tokens_per_batch: int, rank: int = 0, world_size: int = 1
 ) -> list[list[SampleRef]]:
     """Validation batches in file order; rank r takes batches r, r + W, ..."""
     packed = pack(shards.samples, list(range(len(shards.samples))), tokens_per_batch)
@@ -165,7 +165,7 @@ def val_batches(
 
 
 def collate(
-    shards: ShardSet,
+    shards: CaptureSet,
     refs: list[SampleRef],
     tokens_per_batch: int,
     hidden_dtype: torch.dtype,

@@ -214,6 +214,10 @@ class ChunkStream:
         self._queue.put(self._ABORT)
         self._done.wait()
 
+    def settle(self) -> None:
+        """Wait until the writer thread has ended, whatever its outcome (no error raised)."""
+        self._done.wait()
+
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
         tmp: Path | None = None

@@ -253,6 +253,13 @@ class CaptureWriter:
             if is_scaled(self.store_dtype)
             else hidden_states.detach().to(torch.bfloat16).cpu(),
         )
+        try:
+            self._write(sample)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _write(self, sample: tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         if self._expected is None:
             self._buffer.append(sample)
             if len(self._buffer) == self.chunk_samples:
@@ -267,6 +274,15 @@ class CaptureWriter:
         if self._open.complete:
             self._hand_over(self._open)
             self._open = None
+
+    def _abandon(self) -> None:
+        """A chunk's write failed: let every other chunk's writer end before the error goes up
+        (each removes its temporary file, or publishes its complete chunk for a resume)."""
+        self._closed = True
+        self._abort_open()
+        for stream in self._pending:
+            stream.settle()
+        self._pending.clear()
 
     def _check_expected(self, sample_id: str, num_tokens: int) -> None:
         assert self._expected is not None

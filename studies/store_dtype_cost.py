@@ -265,30 +265,42 @@ def phase_train(args: argparse.Namespace) -> dict:
 
 def phase_bench(args: argparse.Namespace) -> dict:
     from draftflow.bench.prompts import read_prompts
-    from draftflow.bench.run import engine_request, request_settings, run_engine
+    from draftflow.bench.run import engine_request, request_settings, run_engines
 
     config = load_config()
     bench = config["bench"]
     name = bench["datasets"][0]["name"]
     prompts = read_prompts(RESULTS / "bench" / "prompts" / f"{name}.jsonl")
     dtype = bench["dtype"] or config["target"]["dtype"]
+    # The plain target beside the draft's engine, measured in the same rounds (the bench stage's
+    # paired design), so the speed-up of each store's draft is a ratio of paired times.
+    ks = [0, args.k]
     request = engine_request(
         target=str(TARGET),
         draft=str(args.out / args.dtype / "train" / "draft"),
-        k=args.k,
+        ks=ks,
         prompt_sets={name: prompts},
         **request_settings(bench, dtype=dtype),
     )
-    result = run_engine(
-        request, args.k, args.out / args.dtype / f"bench-k{args.k}.json", bench["reserved_cpus"]
-    )
-    return {"dtype": args.dtype, "k": args.k, "dataset": name, "runs": result["runs"]}
+    paths = {k: args.out / args.dtype / f"bench-k{k}.json" for k in ks}
+    results = run_engines(request, paths, bench["reserved_cpus"])
+    return {
+        "dtype": args.dtype,
+        "k": args.k,
+        "dataset": name,
+        "runs": results[args.k]["runs"],
+        "plain_runs": results[0]["runs"],
+    }
 
 
 def _without_responses(result: dict) -> dict:
     # The answers' texts and token ids are for the lossless check, not for the figures.
-    runs = [{k: v for k, v in run.items() if k != "responses"} for run in result["runs"]]
-    return {**result, "runs": runs}
+    stripped = {
+        key: [{k: v for k, v in run.items() if k != "responses"} for run in result[key]]
+        for key in ("runs", "plain_runs")
+        if key in result
+    }
+    return {**result, **stripped}
 
 
 def phase_report(args: argparse.Namespace) -> dict:

@@ -194,6 +194,9 @@ def prompt_places(schedule: list) -> list:
 def test_deterministic_calls_give_the_same_bytes_and_forwards(hooks_backend):
     # The prompts whose bf16 bits differed between two calls in CI: whether the 7-token prompt
     # shares its forward decides the size of its GEMMs, and with it their kernel.
+    if not hooks_backend.hold_first_step:
+        # vLLM 0.16's engine core has no scheduler pause: the switch falls back to generate().
+        pytest.skip(f"vLLM {hooks_backend.vllm_version} cannot hold a call's first step")
     prompts = make_prompts([120, 7, 300, 45, 64], seed=4)
     runs = []
     for _ in range(3):

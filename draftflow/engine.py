@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -33,6 +34,8 @@ from draftflow.workflow.cpu_threads import cpu_engine_env, tensor_parallel_env
 # extract.model_runner / VLLM_USE_V2_MODEL_RUNNER: "default" leaves vLLM's own choice.
 MODEL_RUNNERS = ("default", "v1", "v2")
 _RUNNER_ENV = {"v1": "0", "v2": "1"}
+
+log = logging.getLogger(__name__)
 
 
 def installed_vllm_version() -> str | None:
@@ -369,6 +372,20 @@ def can_hold_first_step(llm: Any) -> bool:
     if pause is None or not hasattr(EngineCore, "resume_scheduler"):
         return False
     return "mode" in inspect.signature(pause).parameters
+
+
+def hold_first_step(llm: Any, env: Mapping[str, str], deterministic: bool) -> bool:
+    """Whether a capture engine's calls go through ``generate_as_one_call``; logs what
+    ``extract.deterministic`` turned on (the hooks and native backends alike)."""
+    if not deterministic:
+        return False
+    held = can_hold_first_step(llm)
+    log.info(
+        "extract.deterministic: %s; each call's requests enter before its first step: %s",
+        deterministic_summary(env),
+        "yes" if held else "no (this vLLM cannot pause its scheduler)",
+    )
+    return held
 
 
 def generate_as_one_call(llm: Any, prompts: list, params: list) -> list:

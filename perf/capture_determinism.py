@@ -130,7 +130,7 @@ def measure_hold_cost(backend, prompts: list[list[int]], rounds: int) -> dict:
     """Seconds per call with the first step held and not, alternating on one engine."""
     import statistics
 
-    from draftflow.capture.backends.hooks import can_hold_first_step
+    from draftflow.engine import can_hold_first_step
 
     if not can_hold_first_step(backend.llm):
         raise SystemExit("this vLLM cannot hold the first step: nothing to compare")

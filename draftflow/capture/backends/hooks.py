@@ -28,10 +28,9 @@ from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
 from draftflow.capture.recorder import STATE_DTYPE
 from draftflow.capture.worker_extension import FILE_KEY
 from draftflow.engine import (
-    can_hold_first_step,
-    deterministic_summary,
     engine_env,
     generate_as_one_call,
+    hold_first_step,
     installed_vllm_version,
     shutdown_engine,
     start_engine,
@@ -143,13 +142,7 @@ class HooksBackend:
         self.llm = start_engine(
             {"worker_extension_cls": EXTENSION, **capture_engine_kwargs(model_dir, settings)}, env
         )
-        self.hold_first_step = settings.deterministic and can_hold_first_step(self.llm)
-        if settings.deterministic:
-            log.info(
-                "extract.deterministic: %s; each call's requests enter before its first step: %s",
-                deterministic_summary(env),
-                "yes" if self.hold_first_step else "no (this vLLM cannot pause its scheduler)",
-            )
+        self.hold_first_step = hold_first_step(self.llm, env, settings.deterministic)
         replies = self.llm.collective_rpc(
             "draftflow_capture_setup", args=(self.layer_ids, self._tmp.name)
         )

@@ -22,10 +22,9 @@ from packaging.version import Version
 
 from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
 from draftflow.engine import (
-    can_hold_first_step,
-    deterministic_summary,
     engine_env,
     generate_as_one_call,
+    hold_first_step,
     installed_vllm_version,
     on_cpu_build,
     shutdown_engine,
@@ -92,13 +91,7 @@ class NativeBackend:
             deterministic=settings.deterministic,
         )
         self.llm = start_engine(kwargs, env)
-        self.hold_first_step = settings.deterministic and can_hold_first_step(self.llm)
-        if settings.deterministic:
-            log.info(
-                "extract.deterministic: %s; each call's requests enter before its first step: %s",
-                deterministic_summary(env),
-                "yes" if self.hold_first_step else "no (this vLLM cannot pause its scheduler)",
-            )
+        self.hold_first_step = hold_first_step(self.llm, env, settings.deterministic)
         self.last_stats: dict = {}
 
     def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:

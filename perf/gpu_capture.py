@@ -115,7 +115,8 @@ def run_mode(args: argparse.Namespace) -> dict:
         model_runner=runner,
         engine_args={"load_format": "dummy"} if args.mode != "hf" else {},
         hf_dtype="bfloat16",
-        device="cuda",
+        # hf may ask torch for CUDA; a vLLM mode must not before its engine starts
+        device="cuda" if args.mode != "hf" or torch.cuda.is_available() else "cpu",
         deterministic=args.deterministic,
     )
     started = time.perf_counter()
@@ -163,6 +164,8 @@ def run_mode(args: argparse.Namespace) -> dict:
                 "backend_stats": getattr(backend, "last_stats", {}),
             }
 
+        if args.mode == "hf" and args.hf_batch_prompts is not None:
+            backend.max_batch_prompts = args.hf_batch_prompts  # 1: one prompt a forward
         close = backend.close
         setup = getattr(backend, "setup", {})
     startup = time.perf_counter() - started
@@ -194,6 +197,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "chunk_samples": args.chunk_samples,
         "call_samples": args.call_samples,
+        "hf_batch_prompts": getattr(backend, "max_batch_prompts", None) if args.mode == "hf" else None,
         "layer_ids": layers.layer_ids,
         "bytes_per_token": len(layers.layer_ids) * layers.hidden_size * 2,
         "startup_s": round(startup, 1),
@@ -227,6 +231,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-samples", type=int, default=8, help="samples per store chunk")
     parser.add_argument("--call-samples", type=int, default=256, help="samples per engine call")
     parser.add_argument("--write-threads", type=int, default=4)
+    parser.add_argument(
+        "--hf-batch-prompts", type=int, help="hf mode: prompts per forward (1: one at a time)"
+    )
     parser.add_argument(
         "--deterministic", action="store_true", help="as extract.deterministic: true does"
     )

@@ -331,6 +331,16 @@ _HINTS = (
         "with extract.backend hf (docs/capture.md lists the families each platform runs)",
     ),
     (
+        "mistral_common",
+        "; vLLM's model registry imports mistral_common when it inspects a class (every "
+        "multimodal wrapper): install it (envs/gpu-lane.txt pins the version)",
+    ),
+    (
+        "compressed_tensors",
+        "; vLLM's model registry imports compressed-tensors when it inspects a class: install "
+        "it (envs/gpu-lane.txt pins the version)",
+    ),
+    (
         "Can't load image processor",
         "; vLLM builds a multimodal wrapper's processor for every engine that tokenizes "
         "(regenerate, bench), text only or not: the checkpoint must ship its image processor "
@@ -346,12 +356,18 @@ _HINTS = (
 )
 
 
+# What vLLM's model registry imports when it inspects a class: it does so in a subprocess,
+# whose ImportError may not reach this log (seen on the GPU lane with a Llava and a Kimi-K2.5).
+_INSPECTION_IMPORTS = ("torchvision", "mistral_common", "compressed_tensors")
+
+
 def start_hint(cause: str) -> str:
     import importlib.util
 
-    if "failed to be inspected" in cause and importlib.util.find_spec("torchvision") is None:
-        # vLLM inspects the class in a subprocess whose ImportError may not reach this log.
-        cause += " (torchvision is not installed)"
+    if "failed to be inspected" in cause:
+        missing = [name for name in _INSPECTION_IMPORTS if importlib.util.find_spec(name) is None]
+        if missing:
+            cause += f" ({', '.join(missing)} not installed)"
     return "".join(hint for text, hint in _HINTS if text in cause)
 
 

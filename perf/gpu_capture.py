@@ -120,6 +120,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         deterministic=args.deterministic,
     )
     started = time.perf_counter()
+    hf_batch_prompts = None
     setup: dict = {}  # what the capture backend's workers report (plain has none)
     if args.mode == "plain":
         from vllm import SamplingParams
@@ -168,6 +169,7 @@ def run_mode(args: argparse.Namespace) -> dict:
             backend.max_batch_prompts = args.hf_batch_prompts  # 1: one prompt a forward
         close = backend.close
         setup = getattr(backend, "setup", {})
+        hf_batch_prompts = getattr(backend, "max_batch_prompts", None)
     startup = time.perf_counter() - started
     run(prompts[: min(8, len(prompts))], None)
     on_gpu = torch.cuda.is_available()
@@ -197,7 +199,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "chunk_samples": args.chunk_samples,
         "call_samples": args.call_samples,
-        "hf_batch_prompts": getattr(backend, "max_batch_prompts", None) if args.mode == "hf" else None,
+        "hf_batch_prompts": hf_batch_prompts,
         "layer_ids": layers.layer_ids,
         "bytes_per_token": len(layers.layer_ids) * layers.hidden_size * 2,
         "startup_s": round(startup, 1),

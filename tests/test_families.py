@@ -266,6 +266,29 @@ def test_start_errors_of_unsupported_classes_say_what_to_do():
     assert start_hint("ValueError: something else") == ""
 
 
+def test_a_class_vllm_cannot_inspect_names_the_missing_module(monkeypatch):
+    """The GPU lane's words when vLLM's registry lacked a module: the cause comes back only as
+    pydantic's summary, so the hint looks for what the registry imports."""
+    import importlib.util
+
+    from draftflow.engine import start_hint
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "mistral_common" else found(name, *args),
+    )
+    cause = (
+        "1 validation error for ModelConfig\n  Value error, Model architectures "
+        "['LlavaForConditionalGeneration'] failed to be inspected. Please check the logs for "
+        "more details. [type=value_error]"
+    )
+    hint = start_hint(cause)
+    assert "mistral_common" in hint and "envs/gpu-lane.txt" in hint
+    assert "compressed-tensors" not in hint  # installed here: not named
+
+
 def test_a_checkpoint_transformers_cannot_run_as_text_is_named(tmp_path):
     from transformers import CLIPVisionConfig
 

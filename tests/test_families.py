@@ -301,3 +301,31 @@ def test_a_checkpoint_transformers_cannot_run_as_text_is_named(tmp_path):
     message = str(raised.value)
     assert "CLIPVisionConfig" in message
     assert "AutoModelForCausalLM or AutoModelForImageTextToText" in message
+
+
+def test_the_root_cause_of_a_failed_inspection_is_the_registry_import_error():
+    """Lines as vLLM 0.24 printed them on the GPU lane for a Llava target without
+    mistral_common: the driver's exception is pydantic's summary, the cause is in the log."""
+    from draftflow.engine import root_cause
+
+    log = [
+        "ERROR 12-01 19:37:27 [registry.py:975] Error in inspecting model architecture "
+        "'LlavaForConditionalGeneration'",
+        "ERROR 12-01 19:37:27 [registry.py:975] subprocess.CalledProcessError: Command "
+        "'['python3', '-m', 'vllm.model_executor.models.registry']' returned non-zero exit "
+        "status 1.",
+        "ERROR 12-01 19:37:27 [registry.py:975] RuntimeError: Error raised in subprocess:",
+        "ERROR 12-01 19:37:27 [registry.py:975]     from mistral_common.protocol.instruct.chunk "
+        "import ImageChunk, TextChunk",
+        "ERROR 12-01 19:37:27 [registry.py:975] ModuleNotFoundError: No module named "
+        "'mistral_common'",
+        "ERROR 12-01 19:37:27 [registry.py:975] ",
+    ]
+    summary = (
+        "1 validation error for ModelConfig\n  Value error, Model architectures "
+        "['LlavaForConditionalGeneration'] failed to be inspected. Please check the logs for "
+        "more details. [type=value_error]\n    For further information visit "
+        "https://errors.pydantic.dev/2.13/v/value_error"
+    )
+    cause = root_cause([*log, summary])
+    assert cause == "ModuleNotFoundError: No module named 'mistral_common'"

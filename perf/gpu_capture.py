@@ -17,6 +17,8 @@ SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the ti
 ``--deterministic`` runs every mode as ``extract.deterministic: true`` does (vLLM's
 batch-invariant kernels, ``VLLM_BATCH_INVARIANT=1``; each engine call's requests all in before
 its first step): its price is the ratio to a run without it (docs/capture.md, "Determinism").
+Each capture mode also reports ``repeats_same_bytes``: how many chunks every repeat wrote with
+the same bytes (the stores' manifests), the determinism result itself.
 
     python perf/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \\
         --modes plain hooks-v1 hooks-v2 native --out docs/results/gpu-capture.json
@@ -186,8 +188,10 @@ def run_mode(args: argparse.Namespace) -> dict:
             }
         )
     close()
-    for repeat in range(args.repeats):
-        shutil.rmtree(Path(args.root) / f"store-{args.mode}-{repeat}", ignore_errors=True)
+    stores = [Path(args.root) / f"store-{args.mode}-{repeat}" for repeat in range(args.repeats)]
+    same_bytes = compare_stores(stores) if args.mode != "plain" else None
+    for store in stores:
+        shutil.rmtree(store, ignore_errors=True)
     return {
         "model": args.model,
         "mode": args.mode,
@@ -205,10 +209,21 @@ def run_mode(args: argparse.Namespace) -> dict:
         "startup_s": round(startup, 1),
         "runs": runs,
         "best_tokens_per_s": max(r["tokens_per_s"] for r in runs),
+        "repeats_same_bytes": same_bytes,
         "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu",
         "torch": torch.__version__,
         "vllm": _vllm_version(),
     }
+
+
+def compare_stores(stores: list[Path]) -> dict | None:
+    """How many chunks every repeat wrote with the same bytes (the manifests' sha256s)."""
+    if len(stores) < 2:
+        return None
+    files = [json.loads((store / "manifest.json").read_text())["files"] for store in stores]
+    chunks = [name for name in files[0] if name.startswith("chunk")]
+    same = sum(all(f.get(name) == files[0][name] for f in files[1:]) for name in chunks)
+    return {"chunks": len(chunks), "identical_in_every_repeat": same}
 
 
 def _vllm_version() -> str | None:
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         result = json.loads(lines[-1][len("RESULT ") :])
         results.append(result)
-        keys = ("model", "mode", "deterministic", "best_tokens_per_s")
+        keys = ("model", "mode", "deterministic", "best_tokens_per_s", "repeats_same_bytes")
         print(json.dumps({k: result[k] for k in keys}))
     plain = next((r for r in results if r.get("mode") == "plain" and "error" not in r), None)
     if plain:

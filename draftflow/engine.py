@@ -362,8 +362,6 @@ _INSPECTION_IMPORTS = ("torchvision", "mistral_common", "compressed_tensors")
 
 
 def start_hint(cause: str) -> str:
-    import importlib.util
-
     if "failed to be inspected" in cause:
         missing = [name for name in _INSPECTION_IMPORTS if importlib.util.find_spec(name) is None]
         if missing:

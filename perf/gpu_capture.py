@@ -218,9 +218,11 @@ def run_mode(args: argparse.Namespace) -> dict:
 
 def compare_stores(stores: list[Path]) -> dict | None:
     """How many chunks every repeat wrote with the same bytes (the manifests' sha256s)."""
+    from draftflow.capture.store import MANIFEST_NAME
+
     if len(stores) < 2:
         return None
-    files = [json.loads((store / "manifest.json").read_text())["files"] for store in stores]
+    files = [json.loads((store / MANIFEST_NAME).read_text())["files"] for store in stores]
     chunks = [name for name in files[0] if name.startswith("chunk")]
     same = sum(all(f.get(name) == files[0][name] for f in files[1:]) for name in chunks)
     return {"chunks": len(chunks), "identical_in_every_repeat": same}

@@ -11,6 +11,7 @@ from workflow_support import (
     TINY_CORPUS,
     copy_workflow,
     link_target,
+    read_config,
     run_snakemake,
     tiny_config,
     write_config,
@@ -32,12 +33,8 @@ def test_dry_run_of_the_demo_bench_runs_every_engine_in_one_job(tmp_path):
     """The plain target and every k of the demo's config: one job runs all engines side by side
     on both prompt sets, holding the whole machine on the CPU build so no other job runs while
     they are timed; two tables."""
-    import yaml
-
     workdir = copy_workflow(tmp_path / "wf")
-    ks = yaml.safe_load((workdir / "config/config.yaml").read_text())["bench"][
-        "num_speculative_tokens"
-    ]
+    ks = read_config(workdir)["bench"]["num_speculative_tokens"]
     out = run_snakemake(workdir, "-n", "-p", "--cores", "3").stdout
     (job,) = re.findall(r"rule bench_engines:\n(.*?)\n\n", out, re.S)
     outputs = re.search(r"output: (.*)", job).group(1).split(", ")

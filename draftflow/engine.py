@@ -207,8 +207,10 @@ class EngineStartError(RuntimeError):
     """A vLLM engine failed to start; the message carries the engine process's own error."""
 
 
-# An exception line of a Python traceback, with vLLM's log prefix before it or not.
-_EXCEPTION_LINE = re.compile(r"(?:^|\]\s|\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:?.*)$")
+# An exception line of a Python traceback ("ValueError: message" or a bare name), with vLLM's
+# log prefix before it or not; the name must end the line or be followed by a colon, so the
+# traceback's source lines ("raise RuntimeError(") and prose ("Error in ...") are not taken.
+_EXCEPTION_LINE = re.compile(r"(?:^|\]\s|\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception)(?::.*)?)$")
 # vLLM's summaries that point at the cause instead of naming it.
 _GENERIC = ("root cause", "Worker failed with error")
 

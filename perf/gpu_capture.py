@@ -17,6 +17,8 @@ SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the ti
 ``--deterministic`` runs every mode as ``extract.deterministic: true`` does (vLLM's
 batch-invariant kernels, ``VLLM_BATCH_INVARIANT=1``; each engine call's requests all in before
 its first step): its price is the ratio to a run without it (docs/capture.md, "Determinism").
+``--store-dtype float8_e4m3fn`` writes the capture modes' stores as ``extract.store_dtype``
+does (fp8 with a scale per token and layer, quantized on the store's writer threads).
 Each capture mode also reports ``repeats_same_bytes``: how many chunks every repeat wrote with
 the same bytes (the stores' manifests), the determinism result itself.
 
@@ -101,6 +103,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from draftflow.capture.backends import EngineSettings, capture_engine_kwargs, make_backend
     from draftflow.capture.extract import _capture_all
     from draftflow.capture.layers import capture_layers
+    from draftflow.capture.quant import state_bytes_per_token
     from draftflow.capture.store import CaptureWriter
     from draftflow.engine import engine_env, shutdown_engine, start_engine
 
@@ -153,6 +156,7 @@ def run_mode(args: argparse.Namespace) -> dict:
                 meta={"bench": args.mode},
                 chunk_samples=args.chunk_samples,
                 write_threads=args.write_threads,
+                store_dtype=args.store_dtype,
             )
             ids = [f"p{i}" for i in range(len(batch))]
             masks = [[1] * len(p) for p in batch]
@@ -202,10 +206,13 @@ def run_mode(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "chunk_samples": args.chunk_samples,
+        "store_dtype": args.store_dtype,
         "call_samples": args.call_samples,
         "hf_batch_prompts": hf_batch_prompts,
         "layer_ids": layers.layer_ids,
-        "bytes_per_token": len(layers.layer_ids) * layers.hidden_size * 2,
+        "bytes_per_token": state_bytes_per_token(
+            len(layers.layer_ids), layers.hidden_size, args.store_dtype
+        ),
         "startup_s": round(startup, 1),
         "runs": runs,
         "best_tokens_per_s": max(r["tokens_per_s"] for r in runs),
@@ -250,6 +257,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-samples", type=int, default=8, help="samples per store chunk")
     parser.add_argument("--call-samples", type=int, default=256, help="samples per engine call")
     parser.add_argument("--write-threads", type=int, default=4)
+    parser.add_argument("--store-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     parser.add_argument(
         "--hf-batch-prompts", type=int, help="hf mode: prompts per forward (1: one at a time)"
     )

@@ -329,3 +329,29 @@ def test_the_root_cause_of_a_failed_inspection_is_the_registry_import_error():
     )
     cause = root_cause([*log, summary])
     assert cause == "ModuleNotFoundError: No module named 'mistral_common'"
+
+
+def test_the_root_cause_of_a_failed_start_is_the_worker_exception_not_a_source_line():
+    """Lines as vLLM 0.32's CPU build printed them when the KV cache did not fit: the worker's
+    ValueError is the cause; the tracebacks' source lines ("raise RuntimeError(") are not."""
+    from draftflow.engine import root_cause
+
+    prefix = "(Worker pid=10236) ERROR 12-02 08:04:50 [multiproc_executor.py:1063] "
+    cause = (
+        "ValueError: Available memory on node 0 (7.65/9.71 GiB) on kv cache allocation is "
+        "less than requested memory for kv (-0.12/0.97 GiB). Reduce CPU memory used by other "
+        "processes."
+    )
+    log = [
+        prefix + "WorkerProc hit an exception.",
+        prefix + "Traceback (most recent call last):",
+        prefix + '  File "vllm/v1/worker/cpu_worker.py", line 241, in determine_available_memory',
+        prefix + "    raise ValueError(",
+        prefix + cause,
+        "Exception: WorkerProc initialization failed due to an exception in a background "
+        "process. See stack trace for root cause.",
+        '  File "vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup',
+        "    raise RuntimeError(",
+    ]
+    summary = "Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    assert root_cause([*log, summary]) == cause

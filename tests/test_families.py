@@ -9,6 +9,8 @@ GPU lane (tests/gpu/test_gpu_families.py) captures it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from capture_stores import StoreShape, write_store
@@ -28,6 +30,7 @@ ENGINE = EngineSettings(
     max_model_len=320, max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory_bytes=32 << 20
 )
 CPU_FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25"]
+MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
 VLLM_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -35,6 +38,19 @@ VLLM_CLASSES = {
     "kimi_k25": "KimiK25ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
 }
+
+
+def cpu_build_chunks_prefill(family: str, engine: EngineSettings = ENGINE) -> bool:
+    """Whether vLLM's CPU build prefills long prompts in chunks for this family.
+
+    An MLA target gets chunked prefill only from the AMX MLA kernel; with the reference
+    kernel (a CPU without AMX tiles, or ``attention_config.backend: CPU_MLA``) vLLM turns
+    chunked prefill off and prefills each prompt in one forward (vllm/platforms/cpu.py).
+    """
+    if family not in MLA_FAMILIES:
+        return True
+    backend = engine.engine_args.get("attention_config", {}).get("backend")
+    return backend != "CPU_MLA" and torch.cpu._is_amx_tile_supported()
 
 
 def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -178,19 +194,28 @@ def test_decoder_search_falls_back_to_structure_and_names_what_it_tried():
         find_decoder(_Block(3), num_layers=61)
 
 
+# The reference MLA kernel, which a CPU without AMX tiles runs: chunked prefill off.
+REFERENCE_MLA = replace(ENGINE, engine_args={"attention_config": {"backend": "CPU_MLA"}})
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", CPU_FAMILIES)
-def test_hooks_capture_matches_hf(family, family_targets):
+@pytest.mark.parametrize(
+    ("family", "engine"),
+    [(family, ENGINE) for family in CPU_FAMILIES] + [("deepseek_v3", REFERENCE_MLA)],
+    ids=[*CPU_FAMILIES, "deepseek_v3-reference-mla"],
+)
+def test_hooks_capture_matches_hf(family, engine, family_targets):
     target = family_targets(family)
     layer_ids = capture_layers(target).layer_ids
     prompts = make_prompts(LENGTHS, seed=0)
-    backend = make_backend("hooks", target, layer_ids, ENGINE)
+    backend = make_backend("hooks", target, layer_ids, engine)
     try:
         captured = backend.capture(prompts)
         stats = backend.last_stats
     finally:
         backend.close()
-    assert stats["max_forwards_per_request"] > 1, "no prompt was prefilled in chunks"
+    chunked = stats["max_forwards_per_request"] > 1
+    assert chunked == cpu_build_chunks_prefill(family, engine), stats
     reference = make_backend("hf", target, layer_ids, EngineSettings(ENGINE.max_model_len))
     try:
         summary = assert_verifies(captured, reference.capture(prompts), layer_ids)

@@ -18,7 +18,8 @@ SmolLM2-135M-Instruct's. The extract job's hf verification is not part of the ti
 batch-invariant kernels, ``VLLM_BATCH_INVARIANT=1``; each engine call's requests all in before
 its first step): its price is the ratio to a run without it (docs/capture.md, "Determinism").
 ``--store-dtype float8_e4m3fn`` writes the capture modes' stores as ``extract.store_dtype``
-does (fp8 with a scale per token and layer, quantized on the store's writer threads).
+does (fp8 with a scale per token and layer; the hooks modes quantize in the worker, on a GPU
+before the copy to the host, native and hf on the store's writer threads).
 Each capture mode also reports ``repeats_same_bytes``: how many chunks every repeat wrote with
 the same bytes (the stores' manifests), the determinism result itself.
 
@@ -123,6 +124,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         # hf may ask torch for CUDA; a vLLM mode must not before its engine starts
         device="cuda" if args.mode != "hf" or torch.cuda.is_available() else "cpu",
         deterministic=args.deterministic,
+        store_dtype=args.store_dtype,
     )
     started = time.perf_counter()
     hf_batch_prompts = None

@@ -150,12 +150,17 @@ def test_collate_dequantizes_on_the_host_and_on_the_device_alike(tmp_path):
 
 @pytest.mark.vllm
 def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_dir):
-    """One real vLLM engine captures a shard into both store dtypes; the fp8 store verifies
-    (dequantized) against transformers fp32, takes about half the bytes and matches the plan."""
+    """Real vLLM engines capture a shard into both store dtypes; the fp8 store's states are
+    quantized by the hooks backend's worker (``Quantized``), hold exactly the bits of the bf16
+    capture quantized, verify (dequantized) against transformers fp32, take about half the
+    bytes and match the plan."""
+    from dataclasses import replace
+
     from draftflow.capture.backends import EngineSettings, make_backend
     from draftflow.capture.extract import ExtractSettings, VerifySettings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_store
+    from draftflow.capture.quant import Quantized
     from draftflow.data.samples import samples_table, write_samples
 
     generator = torch.Generator().manual_seed(4)
@@ -166,30 +171,33 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
         shard, samples_table([f"c{i}" for i in range(5)], prompts, [[1] * n for n in lengths])
     )
     layers = capture_layers(smollm2_dir)
-    backend = make_backend(
-        "hooks",
-        smollm2_dir,
-        layers.layer_ids,
-        EngineSettings(
-            max_model_len=301,
-            max_num_batched_tokens=256,
-            max_num_seqs=4,
-            kv_cache_memory_bytes=33_554_432,
-        ),
+    # Deterministic engines: the same calls give the same bf16 bits on either engine
+    # (docs/capture.md, "Determinism"), so the two stores can be compared bit for bit.
+    engine = EngineSettings(
+        max_model_len=301,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=33_554_432,
+        deterministic=True,
     )
     stores = {}
-    try:
-        for dtype in ("bfloat16", "float8_e4m3fn"):
-            settings = ExtractSettings(
-                backend="hooks",
-                chunk_samples=2,
-                store_dtype=dtype,
-                verify=VerifySettings(fraction=1.0, min_mean_cosine=0.995, min_p01_cosine=0.95),
-            )
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        settings = ExtractSettings(
+            backend="hooks",
+            chunk_samples=2,
+            store_dtype=dtype,
+            verify=VerifySettings(fraction=1.0, min_mean_cosine=0.995, min_p01_cosine=0.95),
+        )
+        backend = make_backend(
+            "hooks", smollm2_dir, layers.layer_ids, replace(engine, store_dtype=dtype)
+        )
+        try:
             out = tmp_path / dtype / "shard-00000"
             stores[dtype] = (run_extract(shard, smollm2_dir, out, settings, backend=backend), out)
-    finally:
-        backend.close()
+            handed = backend.capture(prompts[1:2])[0]
+            assert isinstance(handed, Quantized) == (dtype == "float8_e4m3fn")
+        finally:
+            backend.close()
     bf16_manifest, bf16_dir = stores["bfloat16"]
     fp8_manifest, fp8_dir = stores["float8_e4m3fn"]
     assert fp8_manifest["dtype"] == "float8_e4m3fn" and fp8_manifest["scales"]
@@ -199,19 +207,13 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
         # fp8's 3 mantissa bits cost a little cosine against bf16, never the threshold.
         assert stats["mean"] > 0.998, layer
         assert stats["mean"] <= bf16_manifest["verification"]["per_layer"][layer]["mean"] + 1e-4
-    # The fp8 store is the bf16 capture quantized. Without extract.deterministic two calls of one
-    # CPU engine need not give the same bf16 bits (docs/capture.md, "Determinism"), so compare
-    # values, not bytes: every token's scale within a few bf16 steps of the bf16 capture's, every
-    # dequantized token pointing the same way.
+    # The worker's fp8 is the bf16 capture quantized, bit for bit.
     bf16_reader, fp8_reader = CaptureReader(bf16_dir), CaptureReader(fp8_dir)
     for i in range(len(lengths)):
-        reference = bf16_reader.get(i)["hidden_states"].float()
+        values, scales = quantize_fp8(bf16_reader.get(i)["hidden_states"])
         stored = fp8_reader.get(i)
-        _, scales = quantize_fp8(reference)
-        torch.testing.assert_close(stored["hidden_scales"], scales, rtol=0.02, atol=0.0)
-        back = dequantize(stored["hidden_states"], stored["hidden_scales"], torch.float32)
-        cosine = torch.nn.functional.cosine_similarity(back, reference, dim=-1)
-        assert cosine.min() > 0.99, (i, cosine.min())
+        assert torch.equal(stored["hidden_scales"], scales), i
+        assert torch.equal(stored["hidden_states"].view(torch.uint8), values.view(torch.uint8)), i
 
     def chunk_bytes(directory: Path) -> int:
         return sum(p.stat().st_size for p in directory.glob("chunk-*.safetensors"))

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftflow.capture.recorder import STATE_DTYPE, StateRecorder
+from draftflow.capture.quant import BF16, FP8, Quantized, quantize_fp8
+from draftflow.capture.recorder import STATE_DTYPE, RequestFile, StateRecorder, map_request_file
 
 COLUMNS, HIDDEN = 2, 8
 
@@ -27,9 +28,11 @@ def _forward(recorder: StateRecorder, batch: list[tuple[str, torch.Tensor]], len
 
 
 def _rows(rid: str, positions: torch.Tensor, column: int) -> torch.Tensor:
-    # exact in bf16 (integers below 256): position < 40, two columns, three requests
+    # Each row's first value (exact in bf16: an integer below 256, as position < 40, two
+    # columns, three requests) names its request, position and column; the rest of the row
+    # grows to twice that, so an fp8 row has more than one value to round.
     base = positions.to(torch.float32)[:, None] + 40 * column + 80 * (int(rid[1:]) - 1)
-    return (base + torch.zeros(1, HIDDEN)).to(STATE_DTYPE)
+    return (base * (1 + torch.linspace(0, 1, HIDDEN))).to(STATE_DTYPE)
 
 
 def _expected(rid: str, length: int) -> torch.Tensor:
@@ -37,14 +40,20 @@ def _expected(rid: str, length: int) -> torch.Tensor:
     return torch.stack([_rows(rid, positions, c) for c in range(COLUMNS)], dim=1)
 
 
-def _read(path: str, length: int) -> torch.Tensor:
-    raw = torch.from_file(path, shared=False, size=length * COLUMNS * HIDDEN, dtype=STATE_DTYPE)
-    return raw.view(length, COLUMNS, HIDDEN)
+def _read(path: str, length: int, store_dtype: str = BF16) -> torch.Tensor | Quantized:
+    return map_request_file(path, RequestFile(length, COLUMNS, HIDDEN, store_dtype))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+def test_a_request_file_is_rows_then_scales_from_an_8_byte_boundary():
+    bf16 = RequestFile(5, COLUMNS, HIDDEN)
+    assert (bf16.row_bytes, bf16.size) == (2 * 8 * 2, 5 * 32)
+    fp8 = RequestFile(5, 3, 7, FP8)  # 105 bytes of e4m3 rows, scales from byte 112
+    assert (fp8.row_bytes, fp8.scales_offset, fp8.size) == (21, 112, 112 + 5 * 3 * 4)
+
+
+@pytest.mark.parametrize(("threads", "store_dtype"), [(1, BF16), (2, BF16), (2, FP8)])
 def test_chunked_out_of_order_and_recomputed_rows_are_filed_by_position(
-    tmp_path: Path, threads: int
+    tmp_path: Path, threads: int, store_dtype: str
 ) -> None:
     recorder = StateRecorder(
         num_columns=COLUMNS,
@@ -53,6 +62,7 @@ def test_chunked_out_of_order_and_recomputed_rows_are_filed_by_position(
         device=torch.device("cpu"),
         out_dir=tmp_path,
         filing_threads=threads,
+        store_dtype=store_dtype,
     )
     lengths = {"r1": 40, "r2": 7, "r3": 5}
     try:
@@ -82,7 +92,15 @@ def test_chunked_out_of_order_and_recomputed_rows_are_filed_by_position(
         for rid, length in lengths.items():
             request = requests[rid]
             assert request["missing"] == 0 and request["file"].endswith(f"{rid}.bin")
-            assert torch.equal(_read(request["file"], length), _expected(rid, length))
+            filed = _read(request["file"], length, store_dtype)
+            if store_dtype == FP8:
+                # Quantized per row by the filing thread: the bits of the whole request at once.
+                values, scales = quantize_fp8(_expected(rid, length))
+                assert filed.values.dtype == torch.float8_e4m3fn
+                assert torch.equal(filed.values.view(torch.uint8), values.view(torch.uint8))
+                assert torch.equal(filed.scales, scales)
+            else:
+                assert torch.equal(filed, _expected(rid, length))
         assert not list(tmp_path.glob("*.partial"))
     finally:
         recorder.close()

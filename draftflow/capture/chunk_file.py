@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from draftflow.capture.quant import SCALE_DTYPE, is_scaled, quantize_fp8, torch_dtype
+from draftflow.capture.quant import SCALE_DTYPE, Quantized, is_scaled, quantize_fp8, torch_dtype
 from draftflow.io import DiskFullError, explain_disk_full
 
 SCALES_NAME = "hidden_scales"
@@ -179,7 +179,10 @@ class ChunkStream:
         return self._put == len(self.layout.entries)
 
     def put(
-        self, hidden_states: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+        self,
+        hidden_states: torch.Tensor | Quantized,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
     ) -> None:
         """Hand over the next sample (CPU tensors); raise the writer's error if it failed."""
         if self.complete:
@@ -273,7 +276,10 @@ class ChunkStream:
                     f"{self.final.name}: sample {sample_id!r} has states {tuple(states.shape)}, "
                     f"the layout expects {list(expected)}"
                 )
-            if scaled:
+            if isinstance(states, Quantized):  # quantized where it was captured
+                states, sample_scales = states
+                scales.append(sample_scales)
+            elif scaled:
                 states, sample_scales = quantize_fp8(states)
                 scales.append(sample_scales)
             emit(_raw(states.to(torch_dtype(layout.store_dtype))))

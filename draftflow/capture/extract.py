@@ -100,6 +100,7 @@ class ExtractSettings:
             trust_remote_code=self.trust_remote_code,
             hf_dtype=self.hf_dtype,
             device=self.device,
+            store_dtype=self.store_dtype,
         )
 
 

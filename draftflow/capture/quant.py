@@ -9,6 +9,9 @@ otherwise set the range of every other token). Subnormals reach down to 2**-9, s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
 
 BF16 = "bfloat16"
@@ -46,6 +49,32 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = states.to(torch.float32, copy=True).mul_((1.0 / scales).unsqueeze(-1))
     # amax / scale can land a rounding step above 448; e4m3fn has no inf, so clamp, never NaN.
     return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+class Quantized(NamedTuple):
+    """States already quantized where they were captured (the hooks backend's worker, on the
+    device where there is one): e4m3 ``values [T, L, H]`` and float32 ``scales [T, L]``."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+def quantize_fp8_pieces(
+    states: torch.Tensor, piece_rows: int
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """``quantize_fp8`` over ``piece_rows`` tokens at a time: (rows, values, scales) per piece.
+
+    Rows are quantized independently, so the pieces hold the same bits as one call; taken one at
+    a time they bound the float32 copy to ``piece_rows`` tokens (a forward's states on a GPU,
+    beside vLLM's KV cache).
+    """
+    for first in range(0, states.shape[0], piece_rows):
+        rows = slice(first, min(first + piece_rows, states.shape[0]))
+        yield (rows, *quantize_fp8(states[rows]))
 
 
 def dequantize(

@@ -9,7 +9,9 @@ Used inside a vLLM worker by ``draftflow.capture.worker_extension``. Per forward
 3. ``end(layout)`` queues the slot: on a GPU the staging buffer is copied into page-locked host
    memory on a side stream, ordered after the forward by a CUDA event, so the forward never
    waits for the copy; filing threads (two on a GPU) then write each request's rows into that
-   request's file (``[T, layers, hidden]`` bf16) at their positions' offsets with ``pwrite``
+   request's file (``RequestFile``: bf16 rows, or for an fp8 store e4m3 rows and their scales,
+   quantized on the device before the copy, on the CPU by the filing thread) at their
+   positions' offsets with ``pwrite``
    (no memory map per request; the write releases the GIL, so the threads run side by side)
    and give the slot back. Each request has one filing thread, so its forwards
    are filed in order. A request's file is written as ``<key>.partial`` and renamed to
@@ -37,10 +39,64 @@ from typing import Any
 
 import torch
 
+from draftflow.capture.quant import (
+    BF16,
+    SCALE_DTYPE,
+    Quantized,
+    is_scaled,
+    quantize_fp8,
+    quantize_fp8_pieces,
+    torch_dtype,
+)
+
 STATE_DTYPE = torch.bfloat16
 DEFAULT_SLOTS = 4
 # A GPU's forwards outrun one thread's writes; on the CPU the engine needs the cores.
 FILING_THREADS = {"cuda": 2}
+# Tokens quantized at once on a GPU: bounds the float32 copy (1024 x 4 x 7168 x 4 B = 117 MiB).
+QUANTIZE_PIECE_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class RequestFile:
+    """The layout of one request's file: ``[T, layers, hidden]`` rows in the store dtype, then
+    (fp8 only) float32 scales ``[T, layers]`` from an 8-byte boundary. Written by the recorder,
+    mapped by the driver (``map_request_file``)."""
+
+    length: int
+    num_columns: int
+    hidden_size: int
+    store_dtype: str = BF16
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_columns * self.hidden_size * torch_dtype(self.store_dtype).itemsize
+
+    @property
+    def scale_row_bytes(self) -> int:
+        return self.num_columns * SCALE_DTYPE.itemsize
+
+    @property
+    def scales_offset(self) -> int:
+        return -(-self.length * self.row_bytes // 8) * 8
+
+    @property
+    def size(self) -> int:
+        if not is_scaled(self.store_dtype):
+            return self.length * self.row_bytes
+        return self.scales_offset + self.length * self.scale_row_bytes
+
+
+def map_request_file(path: str, layout: RequestFile) -> torch.Tensor | Quantized:
+    """A finished request's file as tensors (memory-mapped, no copy), then unlinked."""
+    raw = torch.from_file(path, shared=False, size=layout.size, dtype=torch.uint8)
+    os.unlink(path)  # the mapping keeps the data until the tensors are gone
+    shape = (layout.length, layout.num_columns, layout.hidden_size)
+    values = raw[: layout.length * layout.row_bytes].view(torch_dtype(layout.store_dtype))
+    if not is_scaled(layout.store_dtype):
+        return values.view(shape)
+    scales = raw[layout.scales_offset : layout.size].view(SCALE_DTYPE)
+    return Quantized(values.view(shape), scales.view(shape[:2]))
 
 
 @dataclass
@@ -49,6 +105,7 @@ class _Slot:
     stage_positions: torch.Tensor  # [max_tokens] int64 on the model's device
     host: torch.Tensor  # = stage on the CPU; page-locked host memory on a GPU
     host_positions: torch.Tensor
+    host_scales: torch.Tensor | None = None  # fp8 on a GPU: host holds e4m3, these its scales
     ready: Any = None  # CUDA event: the forward's writes are done
     copied: Any = None  # CUDA event: the host copy is done
 
@@ -65,13 +122,17 @@ class _Queued:
 class _Request:
     """One request's file: its states are written in place, position by position."""
 
-    length: int
+    layout: RequestFile
     path: Path  # the open file; renamed to ``final`` when complete
     final: Path
     fd: int | None  # open for writing until the request is complete
     filled: torch.Tensor  # bool [length]
     filer: int  # the one filing thread that writes this request, so its forwards keep order
     forwards: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.layout.length
 
     def close(self) -> None:
         if self.fd is not None:
@@ -110,7 +171,11 @@ class StateRecorder:
         out_dir: str | os.PathLike[str],
         num_slots: int = DEFAULT_SLOTS,
         filing_threads: int | None = None,
+        store_dtype: str = BF16,
     ) -> None:
+        torch_dtype(store_dtype)  # an unknown dtype fails here
+        self.store_dtype = store_dtype
+        self._scaled = is_scaled(store_dtype)
         self.num_columns = int(num_columns)
         self.hidden_size = int(hidden_size)
         self.max_tokens = int(max_tokens)
@@ -153,13 +218,19 @@ class StateRecorder:
         stage_positions = torch.empty(self.max_tokens, dtype=torch.int64, device=self.device)
         if not self._cuda:
             return _Slot(stage, stage_positions, stage, stage_positions)
-        host = torch.empty(shape, dtype=STATE_DTYPE, pin_memory=True)
+        # fp8 crosses to the host quantized: half the bytes to copy, pin and file.
+        host_dtype = torch_dtype(self.store_dtype) if self._scaled else STATE_DTYPE
+        host = torch.empty(shape, dtype=host_dtype, pin_memory=True)
         host_positions = torch.empty(self.max_tokens, dtype=torch.int64, pin_memory=True)
+        host_scales = (
+            torch.empty(shape[:2], dtype=SCALE_DTYPE, pin_memory=True) if self._scaled else None
+        )
         return _Slot(
             stage,
             stage_positions,
             host,
             host_positions,
+            host_scales,
             ready=torch.cuda.Event(),
             copied=torch.cuda.Event(),
         )
@@ -215,7 +286,15 @@ class StateRecorder:
         if self._cuda:
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(slot.ready)
-                slot.host[:n].copy_(slot.stage[:n], non_blocking=True)
+                if self._scaled:
+                    # Each piece's temporaries are freed to this stream, after its copies.
+                    for rows, values, scales in quantize_fp8_pieces(
+                        slot.stage[:n], QUANTIZE_PIECE_ROWS
+                    ):
+                        slot.host[rows].copy_(values, non_blocking=True)
+                        slot.host_scales[rows].copy_(scales, non_blocking=True)
+                else:
+                    slot.host[:n].copy_(slot.stage[:n], non_blocking=True)
                 slot.host_positions[:n].copy_(slot.stage_positions[:n], non_blocking=True)
                 slot.copied.record(self._copy_stream)
         with self._lock:
@@ -242,14 +321,11 @@ class StateRecorder:
         index, self._next_index = self._next_index, self._next_index + 1
         key = key or f"request-{index:06d}"
         path, final = self.out_dir / f"{key}.partial", self.out_dir / f"{key}.bin"
+        layout = RequestFile(length, self.num_columns, self.hidden_size, self.store_dtype)
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        os.ftruncate(fd, length * self._row_bytes)
+        os.ftruncate(fd, layout.size)
         filled = torch.zeros(length, dtype=torch.bool)
-        return _Request(length, path, final, fd, filled, filer=index % len(self._queues))
-
-    @property
-    def _row_bytes(self) -> int:
-        return self.num_columns * self.hidden_size * STATE_DTYPE.itemsize
+        return _Request(layout, path, final, fd, filled, filer=index % len(self._queues))
 
     @torch.inference_mode()  # requests are opened inside the forward: inference tensors
     def _file_forever(self, filer: int) -> None:
@@ -286,9 +362,11 @@ class StateRecorder:
         if self._cuda:
             slot.copied.synchronize()
         states, positions = slot.host[:n], slot.host_positions[:n]
+        scales = slot.host_scales[:n] if slot.host_scales is not None else None
         start, beyond, overwritten = 0, 0, 0
         for req_id, count in item.layout:
             rows, where = states[start : start + count], positions[start : start + count]
+            row_scales = scales[start : start + count] if scales is not None else None
             start += count
             with self._lock:
                 request = self._requests.get(req_id)
@@ -300,12 +378,19 @@ class StateRecorder:
             if not bool(inside.all()):
                 beyond += int((~inside).sum())
                 rows, where = rows[inside], where[inside]
+                row_scales = row_scales[inside] if row_scales is not None else None
             if where.numel() == 0:
                 continue
             if request.fd is None:
                 raise RuntimeError(f"request {req_id!r} got prompt states after it was complete")
+            if self._scaled and row_scales is None:  # on the CPU: quantized here, per request
+                rows, row_scales = quantize_fp8(rows)
+            file = request.layout
             for first, run in _position_runs(where):
-                _write_rows(request.fd, rows[run], first * self._row_bytes)
+                _write_rows(request.fd, rows[run], first * file.row_bytes)
+                if row_scales is not None:
+                    offset = file.scales_offset + first * file.scale_row_bytes
+                    _write_rows(request.fd, row_scales[run], offset)
             overwritten += int(request.filled[where].sum())
             request.filled[where] = True
             request.forwards += 1

@@ -35,7 +35,14 @@ import torch
 from safetensors import safe_open
 
 from draftflow.capture.chunk_file import SCALES_NAME, ChunkLayout, ChunkStream
-from draftflow.capture.quant import BF16, SCALE_DTYPE, dequantize, is_scaled, torch_dtype
+from draftflow.capture.quant import (
+    BF16,
+    SCALE_DTYPE,
+    Quantized,
+    dequantize,
+    is_scaled,
+    torch_dtype,
+)
 from draftflow.io import atomic_write_json, read_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -214,10 +221,12 @@ class CaptureWriter:
         sample_id: str,
         input_ids: torch.Tensor,
         loss_mask: torch.Tensor,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor | Quantized,
     ) -> None:
         """Hand over one sample (int32 [T], int8 [T], float [T, L, H]), in input order.
 
+        An fp8 store also takes states already quantized (``Quantized``, as the hooks backend's
+        worker hands them over) and writes them as they are.
         It is written on the chunk's thread: at once after ``expect()``, else when its chunk is
         full. Blocks only while ``write_threads`` finished chunks are still being written.
         """
@@ -239,19 +248,34 @@ class CaptureWriter:
                 f"sample {sample_id!r}: hidden_states shape {tuple(hidden_states.shape)}, "
                 f"expected [T, L, H] = {list(expected)}"
             )
+        if isinstance(hidden_states, Quantized):
+            if not is_scaled(self.store_dtype) or hidden_states.values.dtype != torch_dtype(
+                self.store_dtype
+            ):
+                raise ValueError(
+                    f"sample {sample_id!r}: states quantized to {hidden_states.values.dtype} "
+                    f"for a {self.store_dtype} store"
+                )
+            if tuple(hidden_states.scales.shape) != expected[:2]:
+                raise ValueError(
+                    f"sample {sample_id!r}: scales shape {tuple(hidden_states.scales.shape)}, "
+                    f"expected [T, L] = {list(expected[:2])}"
+                )
         if self._expected is not None:
             self._check_expected(sample_id, num_tokens)
         self._seen.add(sample_id)
         self._added += 1
+        if isinstance(hidden_states, Quantized):  # written as they are
+            states = Quantized(hidden_states.values.cpu(), hidden_states.scales.cpu())
+        elif is_scaled(self.store_dtype):  # quantized on the chunk's writer thread
+            states = hidden_states.detach().cpu()
+        else:  # the captured tensor, usually a memory map: no copy
+            states = hidden_states.detach().to(torch.bfloat16).cpu()
         sample = (
             sample_id,
             input_ids.to(torch.int32).cpu(),
             loss_mask.to(torch.int8).cpu(),
-            # bf16 stores keep the captured tensor (usually a memory map, no copy); fp8
-            # stores quantize on the chunk's writer thread, off the capture's path.
-            hidden_states.detach().cpu()
-            if is_scaled(self.store_dtype)
-            else hidden_states.detach().to(torch.bfloat16).cpu(),
+            states,
         )
         try:
             self._write(sample)

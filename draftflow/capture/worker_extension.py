@@ -18,6 +18,7 @@ from typing import Any
 
 from draftflow.capture.adapters import decoder as model_parts
 from draftflow.capture.adapters import select_runner_adapter
+from draftflow.capture.quant import BF16
 from draftflow.capture.recorder import StateRecorder
 
 # SamplingParams.extra_args key naming a request's capture file (the prompt's place in its call).
@@ -44,7 +45,9 @@ def new_request_lengths(scheduler_output: Any) -> dict[str, tuple[int, str | Non
 class HiddenStateCaptureExtension:
     """Methods mixed into vLLM's Worker; ``self`` is the worker."""
 
-    def draftflow_capture_setup(self, layer_ids: list[int], out_dir: str) -> dict:
+    def draftflow_capture_setup(
+        self, layer_ids: list[int], out_dir: str, store_dtype: str = BF16
+    ) -> dict:
         tp_rank, pp_size = model_parts.parallel_ranks()
         if pp_size != 1:
             raise RuntimeError("the hooks backend does not support pipeline parallelism")
@@ -77,6 +80,7 @@ class HiddenStateCaptureExtension:
             max_tokens=max_tokens,
             device=reference.device,
             out_dir=out_dir,
+            store_dtype=store_dtype,
         )
         layers[0].register_forward_pre_hook(self._df_positions_hook, with_kwargs=True)
         for column, layer_id in enumerate(self._df_layer_ids[:-1]):
@@ -93,6 +97,7 @@ class HiddenStateCaptureExtension:
             "device": str(reference.device),
             "hidden_size": hidden_size,
             "max_tokens": max_tokens,
+            "store_dtype": store_dtype,
         }
 
     # -------------------------------------------------------------- per forward

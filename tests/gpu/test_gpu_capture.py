@@ -77,6 +77,33 @@ def test_hooks_match_hf_under_both_runners(runner, smollm2_dir, layers, hf_refer
         backend.close()
 
 
+def test_hooks_quantize_fp8_on_the_gpu(smollm2_dir, layers, hf_reference):
+    """``extract.store_dtype: float8_e4m3fn``: the worker quantizes each forward's states on the
+    GPU before the copy to the host (half the bytes cross); every row uses e4m3's range, and the
+    dequantized states match transformers fp32."""
+    from draftflow.capture.quant import FP8, FP8_MAX, Quantized, dequantize
+
+    settings = engine_settings("v2", store_dtype=FP8)
+    backend = make_backend("hooks", smollm2_dir, layers.layer_ids, settings)
+    try:
+        assert backend.setup["store_dtype"] == FP8 and backend.setup["device"].startswith("cuda")
+        prompts = random_prompts(LENGTHS, seed=5)
+        captured = backend.capture(prompts)
+        assert backend.last_stats["max_forwards_per_request"] > 1
+    finally:
+        backend.close()
+    assert all(isinstance(states, Quantized) for states in captured)
+    for states in captured:
+        assert states.values.dtype == torch.float8_e4m3fn and states.scales.dtype == torch.float32
+        peaks = states.values.float().abs().amax(-1)[states.scales != 1.0]
+        assert torch.equal(peaks, torch.full_like(peaks, FP8_MAX))
+    wide = [dequantize(states.values, states.scales, torch.float32) for states in captured]
+    summary = assert_cosines_at_least(
+        wide, hf_reference.capture(prompts), layers.layer_ids, MIN_MEAN_COSINE, 0.99
+    )
+    print("hooks v2 fp8 (quantized on the GPU) vs hf fp32:", summary)
+
+
 def test_native_matches_hf(smollm2_dir, layers, hf_reference):
     """vLLM's own extractor with its stock (CUDA) connector; vLLM 0.24 runs it under V1."""
     settings = engine_settings(kv_cache_memory_bytes=64 << 20)

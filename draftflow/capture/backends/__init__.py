@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from draftflow.capture.quant import BF16, Quantized
 from draftflow.engine import installed_vllm_version
 
 BACKENDS = ("auto", "hooks", "native", "hf")
@@ -26,14 +27,17 @@ class CaptureBackend(Protocol):
     name: str
     vllm_version: str | None
 
-    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """States ``[T, len(layer_ids), H]`` (any float dtype) for each prompt, in input order."""
+    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor | Quantized]:
+        """States ``[T, len(layer_ids), H]`` (any float dtype, or ``Quantized`` for an fp8
+        ``store_dtype``) for each prompt, in input order."""
         ...
 
     def close(self) -> None: ...
 
 
-def capture_stream(backend: CaptureBackend, token_ids: list[list[int]]) -> Iterator[torch.Tensor]:
+def capture_stream(
+    backend: CaptureBackend, token_ids: list[list[int]]
+) -> Iterator[torch.Tensor | Quantized]:
     """The backend's states in input order, streamed where it can (hooks), else one list."""
     stream = getattr(backend, "capture_iter", None)
     return stream(token_ids) if stream is not None else iter(backend.capture(token_ids))
@@ -63,6 +67,9 @@ class EngineSettings:
     deterministic: bool = False
     # Further vllm.LLM(...) arguments (e.g. block_size, long_prefill_token_threshold).
     engine_args: dict = field(default_factory=dict)
+    # extract.store_dtype: the hooks backend hands fp8 states over quantized by its worker
+    # (on the GPU before the copy to the host); the others hand over what they computed.
+    store_dtype: str = BF16
     # hf backend: compute dtype ("float32" for the reference, "bfloat16") and device.
     hf_dtype: str = "float32"
     device: str = "cpu"

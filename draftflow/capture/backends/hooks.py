@@ -25,7 +25,8 @@ import torch
 
 from draftflow.capture.adapters import check_hooks_version
 from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
-from draftflow.capture.recorder import STATE_DTYPE
+from draftflow.capture.quant import Quantized
+from draftflow.capture.recorder import RequestFile, map_request_file
 from draftflow.capture.worker_extension import FILE_KEY
 from draftflow.engine import (
     engine_env,
@@ -76,14 +77,6 @@ def match_request_ids(internal_ids: list[str], external_ids: list[str]) -> dict[
             raise RuntimeError(f"request {external!r} was captured under two engine ids")
         mapping[internal] = external
     return mapping
-
-
-def map_states(path: str, shape: tuple[int, int, int]) -> torch.Tensor:
-    """A request's file as a ``[T, layers, hidden]`` tensor (memory-mapped, then unlinked)."""
-    numel = shape[0] * shape[1] * shape[2]
-    states = torch.from_file(path, shared=False, size=numel, dtype=STATE_DTYPE).view(shape)
-    os.unlink(path)  # the mapping keeps the data until the tensor is gone
-    return states
 
 
 class _Generation:
@@ -144,21 +137,23 @@ class HooksBackend:
         )
         self.hold_first_step = hold_first_step(self.llm, env, settings.deterministic)
         replies = self.llm.collective_rpc(
-            "draftflow_capture_setup", args=(self.layer_ids, self._tmp.name)
+            "draftflow_capture_setup", args=(self.layer_ids, self._tmp.name, settings.store_dtype)
         )
         log.info("hooks installed: %s", replies)
         self.setup = next(r for r in replies if r.get("active"))
+        self.store_dtype = settings.store_dtype
         self.last_stats: dict = {}
         self._calls = 0
 
-    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+    def capture(self, token_ids: list[list[int]]) -> list[torch.Tensor | Quantized]:
         return list(self.capture_iter(token_ids))
 
-    def capture_iter(self, token_ids: list[list[int]]) -> Iterator[torch.Tensor]:
+    def capture_iter(self, token_ids: list[list[int]]) -> Iterator[torch.Tensor | Quantized]:
         """States of each prompt in input order, each as soon as the worker has filed it.
 
         The engine runs the whole call in a thread; a prompt's states are yielded when its file
-        appears, so the caller stores them while the engine works on the rest.
+        appears, so the caller stores them while the engine works on the rest. With an fp8
+        ``store_dtype`` they come quantized by the worker (``Quantized``).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -189,8 +184,10 @@ class HooksBackend:
                         checked = True
                     if not path.exists():
                         raise RuntimeError(f"the worker filed no states for prompt {key}")
-                shape = (len(ids), len(self.layer_ids), int(self.setup["hidden_size"]))
-                yield map_states(str(path), shape)
+                layout = RequestFile(
+                    len(ids), len(self.layer_ids), int(self.setup["hidden_size"]), self.store_dtype
+                )
+                yield map_request_file(str(path), layout)
             if not checked:
                 run.wait()
                 self._check_call(run.outputs, token_ids)

@@ -13,6 +13,11 @@ tokenize, capture and train on it. Shapes are small, but keep what makes each fa
   model above), as the released checkpoint names it (``KimiK25ForConditionalGeneration``);
 - ``llava``: a multimodal wrapper (LlavaForConditionalGeneration: CLIP vision tower, projector,
   Llama text model); its text model is captured, text only.
+- ``gpt_oss``: GPT-OSS, whose decoder layers take ``(hidden_states, positions, residual)``, in
+  that order, with attention sinks and sliding-window layers. Its two experts both serve every
+  token: with random weights, bf16 routing near-ties would otherwise pick other experts than the
+  fp32 reference on a few tokens (p01 cosine 0.955 with 4 experts, 2 per token), a trait of the
+  test weights and not of capture.
 
 Eight decoder layers: the default aux layers (2, L // 2, L - 3) must be distinct.
 """
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "llava")
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "llava", "gpt_oss")
 # SmolLM2's vocabulary: its tokenizer is borrowed.
 VOCAB_SIZE = 49152
 NUM_LAYERS = 8
@@ -36,6 +41,7 @@ def family_config(family: str):
     from transformers import (
         CLIPVisionConfig,
         DeepseekV3Config,
+        GptOssConfig,
         LlamaConfig,
         LlavaConfig,
         Qwen3Config,
@@ -144,12 +150,26 @@ def family_config(family: str):
             image_token_index=VOCAB_SIZE - 1,
             tie_word_embeddings=False,
         )
+    if family == "gpt_oss":
+        return GptOssConfig(
+            hidden_size=128,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_local_experts=2,
+            num_experts_per_tok=2,
+            sliding_window=64,
+            tie_word_embeddings=False,
+            **common,
+        )
     raise ValueError(f"unknown family {family!r}: known are {', '.join(FAMILIES)}")
 
 
 def family_model_class(family: str):
     from transformers import (
         DeepseekV3ForCausalLM,
+        GptOssForCausalLM,
         LlavaForConditionalGeneration,
         Qwen3ForCausalLM,
         Qwen3MoeForCausalLM,
@@ -164,6 +184,7 @@ def family_model_class(family: str):
         "qwen3_moe": Qwen3MoeForCausalLM,
         "deepseek_v3": DeepseekV3ForCausalLM,
         "llava": LlavaForConditionalGeneration,
+        "gpt_oss": GptOssForCausalLM,
     }[family]
 
 

@@ -1,7 +1,8 @@
 """Capture on targets of each model family (tests/families.py: random weights, no hub), on the
 real vLLM CPU build against transformers fp32, with the extract job's verification thresholds.
 
-One engine per family: dense Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA + MoE) and the Kimi-K2.5
+One engine per family: dense Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA + MoE), GPT-OSS (its layers take
+the states before the positions) and the Kimi-K2.5
 wrapper (its DeepSeek-V3 text model, text only). Llava's vLLM class imports torchvision, which
 the CPU stack does not install: there the test asserts the one clear error a user gets, and the
 GPU lane (tests/gpu/test_gpu_families.py) captures it.
@@ -29,7 +30,7 @@ LENGTHS = [7, 300, 40, 130, 64]
 ENGINE = EngineSettings(
     max_model_len=320, max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory_bytes=32 << 20
 )
-CPU_FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25"]
+CPU_FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss"]
 MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
 VLLM_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -37,6 +38,7 @@ VLLM_CLASSES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k25": "KimiK25ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -196,6 +198,49 @@ def test_decoder_search_falls_back_to_structure_and_names_what_it_tried():
 
 # The reference MLA kernel, which a CPU without AMX tiles runs: chunked prefill off.
 REFERENCE_MLA = replace(ENGINE, engine_args={"attention_config": {"backend": "CPU_MLA"}})
+
+
+class _LlamaLayer(torch.nn.Module):
+    def forward(self, positions, hidden_states, residual):  # vLLM's usual layer
+        return hidden_states, residual
+
+
+class _GptOssLayer(torch.nn.Module):
+    def forward(self, hidden_states, positions, residual):  # vLLM's GPT-OSS TransformerBlock
+        return hidden_states, residual
+
+
+class _GraniteLayer(torch.nn.Module):
+    def forward(self, positions, hidden_states):  # no residual stream passed along
+        return hidden_states
+
+
+class _WrappedLayer(torch.nn.Module):
+    def forward(self, *args, **kwargs):
+        return args
+
+
+def test_layer_inputs_follow_each_layer_s_own_parameter_names():
+    """The hooks read (positions, hidden_states, residual) by name: GPT-OSS's layers take the
+    states first; positional or keyword, residual or none; M-RoPE positions keep one row."""
+    from draftflow.capture.adapters.decoder import layer_inputs
+
+    positions, states, residual = torch.arange(5), torch.randn(5, 8), torch.randn(5, 8)
+    for layer, args, kwargs in [
+        (_LlamaLayer(), (positions, states, residual), {}),
+        (_LlamaLayer(), (positions,), {"hidden_states": states, "residual": residual}),
+        (_GptOssLayer(), (states, positions, residual), {}),
+        (_WrappedLayer(), (positions, states, residual), {}),
+    ]:
+        got = layer_inputs(layer, args, kwargs)
+        assert got[0] is positions and got[1] is states and got[2] is residual, type(layer)
+    got = layer_inputs(_GraniteLayer(), (positions, states), {})
+    assert got[0] is positions and got[1] is states and got[2] is None
+    mrope = torch.stack([positions] * 3)
+    assert torch.equal(layer_inputs(_LlamaLayer(), (mrope, states, None), {})[0], positions)
+    # States where positions belong (a layer whose names the wrapper hides): refused, not filed.
+    with pytest.raises(RuntimeError, match="not called with integer positions"):
+        layer_inputs(_WrappedLayer(), (states, positions, residual), {})
 
 
 @pytest.mark.vllm

@@ -115,7 +115,7 @@ class HiddenStateCaptureExtension:
     def _df_positions_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if not self._df_capturing:  # warm-up and profiling runs happen outside execute_model
             return
-        positions, _, _ = model_parts.layer_inputs(args, kwargs)
+        positions, _, _ = model_parts.layer_inputs(module, args, kwargs)
         self._df_recorder.keep_positions(positions)
         self._df_layout = self._df_adapter.layout_in_forward(
             self.model_runner, self._df_scheduler_output
@@ -124,7 +124,7 @@ class HiddenStateCaptureExtension:
     def _df_layer_hook(self, column: int):
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
             if self._df_capturing:
-                _, hidden_states, residual = model_parts.layer_inputs(args, kwargs)
+                _, hidden_states, residual = model_parts.layer_inputs(module, args, kwargs)
                 self._df_recorder.keep(column, hidden_states, residual)
 
         return hook

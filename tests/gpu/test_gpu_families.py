@@ -13,7 +13,7 @@ from draftflow.capture.backends import EngineSettings, make_backend
 from draftflow.capture.extract import VerifySettings
 from draftflow.capture.layers import capture_layers
 
-FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "llava"]
+FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "llava", "gpt_oss"]
 THRESHOLDS = VerifySettings()
 LENGTHS = [7, 300, 40, 130, 64]
 

@@ -5,10 +5,11 @@ final norm, their call conventions, and the execute_model wrapper.
 - the decoder: found by ``draftflow.capture.decoder_search.find_decoder``: ``model.model`` for
   causal LMs (Llama, Mistral, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3 with MLA and MoE),
   ``language_model.model`` for multimodal wrappers (Llava, Mistral3, Qwen2.5-VL/Qwen3-VL,
-  Kimi-K2.5), else the one submodule with ``layers`` and ``norm``. Its layers are called as
-  ``layer(positions, hidden_states, residual) -> (hidden_states, residual)`` and its norm as
-  ``norm(hidden_states, residual)`` (fused add + RMSNorm); M-RoPE models (Qwen-VL) pass
-  positions as ``[3, T]``, whose rows agree for text-only prompts, so the first row is kept;
+  Kimi-K2.5), else the one submodule with ``layers`` and ``norm``. Its layers take
+  ``positions``, ``hidden_states`` and ``residual`` (by those names, in any order; residual may
+  be absent) and its norm ``norm(hidden_states, residual)`` (fused add + RMSNorm); M-RoPE
+  models (Qwen-VL) pass positions as ``[3, T]``, whose rows agree for text-only prompts, so the
+  first row is kept;
 - ``runner.execute_model(scheduler_output, ...)`` runs the forward. Since 0.11.1 it returns None
   and ``sample_tokens()`` finishes the step; only ``execute_model`` is wrapped and its result is
   passed through, so the two-phase protocol is untouched.
@@ -16,6 +17,8 @@ final norm, their call conventions, and the execute_model wrapper.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,20 +49,39 @@ def model_text_config(runner: Any) -> Any:
 
 
 def layer_inputs(
-    args: tuple, kwargs: dict
+    layer: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(positions, hidden_states, residual) of a decoder-layer call."""
-    names = ("positions", "hidden_states", "residual")
-    values = list(args[:3]) + [kwargs.get(name) for name in names[len(args[:3]) :]]
-    positions, hidden_states, residual = values
+    """(positions, hidden_states, residual) of a decoder-layer call, by the layer's own
+    parameter names: most layers take ``(positions, hidden_states, residual)``, GPT-OSS's
+    ``(hidden_states, positions, residual)``, Granite's no residual."""
+    values = dict(zip(_parameter_names(type(layer)), args, strict=False))
+    values.update(kwargs)
+    positions, hidden_states = values.get("positions"), values.get("hidden_states")
     if isinstance(positions, torch.Tensor) and positions.dim() == 2:
         positions = positions[0]  # M-RoPE: the text rows are equal
-    if not isinstance(positions, torch.Tensor) or not isinstance(hidden_states, torch.Tensor):
+    if (
+        not isinstance(positions, torch.Tensor)
+        or positions.is_floating_point()
+        or not isinstance(hidden_states, torch.Tensor)
+    ):
         raise RuntimeError(
-            "decoder layer not called as layer(positions, hidden_states, residual): "
-            "this model is not supported by the hooks backend"
+            f"{type(layer).__name__} is not called with integer positions and hidden_states "
+            f"(its parameters: {', '.join(_parameter_names(type(layer)))}): this model is not "
+            "supported by the hooks backend; use extract.backend hf"
         )
-    return positions, hidden_states, residual
+    return positions, hidden_states, values.get("residual")
+
+
+@functools.cache
+def _parameter_names(layer_class: type) -> tuple[str, ...]:
+    """The names of a layer class's ``forward`` parameters after ``self``; vLLM's usual order
+    where the signature does not name both (a ``*args`` wrapper)."""
+    parameters = list(inspect.signature(layer_class.forward).parameters.values())[1:]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in parameters if p.kind in positional)
+    if {"positions", "hidden_states"} <= set(names):
+        return names
+    return ("positions", "hidden_states", "residual")
 
 
 def norm_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -287,7 +287,10 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
         tail = _OutputTail()
         with tail:
             try:
-                return vllm.LLM(**copy.deepcopy(dict(kwargs)))
+                llm = vllm.LLM(**copy.deepcopy(dict(kwargs)))
+                # The engine processes keep writing into the tail: a later failure's cause.
+                llm._draftflow_output_tail = tail
+                return llm
             except Exception as error:
                 tail.settle()
                 cause = root_cause([*tail.lines, str(error)]) or str(error)
@@ -302,6 +305,26 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class EngineRunError(RuntimeError):
+    """A running vLLM engine failed; the message carries the engine process's own error."""
+
+
+def engine_failure(llm: Any, error: BaseException) -> BaseException:
+    """``error`` from a call of a running engine, as an ``EngineRunError`` naming the engine
+    process's own exception where vLLM only says "see above" (e.g. ``EngineDeadError``); the
+    error itself where the cause is not known or already in it."""
+    tail = getattr(llm, "_draftflow_output_tail", None)
+    if tail is None:
+        return error
+    tail.settle()
+    cause = root_cause([*tail.lines, str(error)])
+    if not cause or cause in str(error):
+        return error
+    return EngineRunError(
+        f"the vLLM engine failed: {cause} ({type(error).__name__}; the engine's log is above)"
+    )
 
 
 def platform_name() -> str:

@@ -40,3 +40,29 @@ def test_failed_start_names_the_engines_own_error(broken_target: Path):
     assert str(broken_target) in message
     assert "model.norm.weight" in message or "norm" in message, message
     assert "Engine core initialization failed" not in message.split("(the engine's log")[0]
+
+
+@pytest.mark.vllm
+def test_an_engine_that_dies_mid_call_names_the_workers_own_error(smollm2_dir: Path):
+    """A failure inside a running engine (here the capture worker cannot open its request file:
+    its directory is gone) reaches the driver as vLLM's "see above"; the backend's error names
+    the worker's exception instead."""
+    import shutil
+
+    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.layers import capture_layers
+    from draftflow.engine import EngineRunError
+
+    layers = capture_layers(smollm2_dir)
+    settings = EngineSettings(max_model_len=64, max_num_seqs=2, kv_cache_memory_bytes=1 << 24)
+    backend = make_backend("hooks", smollm2_dir, layers.layer_ids, settings)
+    try:
+        shutil.rmtree(backend._tmp.name)
+        with pytest.raises(EngineRunError) as raised:
+            backend.capture([[1, 2, 3, 4]])
+    finally:
+        backend.close()
+    message = str(raised.value)
+    print(message)
+    assert message.startswith("the vLLM engine failed: FileNotFoundError:"), message
+    assert backend._tmp.name in message

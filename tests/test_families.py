@@ -198,6 +198,9 @@ def test_decoder_search_falls_back_to_structure_and_names_what_it_tried():
 
 # The reference MLA kernel, which a CPU without AMX tiles runs: chunked prefill off.
 REFERENCE_MLA = replace(ENGINE, engine_args={"attention_config": {"backend": "CPU_MLA"}})
+# vLLM's Transformers backend (what runs an architecture vLLM has no class of its own for): the
+# decoder layers are transformers', called with a batch of one and ``position_ids``.
+TRANSFORMERS_BACKEND = replace(ENGINE, engine_args={"model_impl": "transformers"})
 
 
 class _LlamaLayer(torch.nn.Module):
@@ -215,6 +218,13 @@ class _GraniteLayer(torch.nn.Module):
         return hidden_states
 
 
+class _TransformersLayer(torch.nn.Module):
+    """A transformers decoder layer, as vLLM's Transformers backend calls it."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+        return hidden_states
+
+
 class _WrappedLayer(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return args
@@ -222,7 +232,8 @@ class _WrappedLayer(torch.nn.Module):
 
 def test_layer_inputs_follow_each_layer_s_own_parameter_names():
     """The hooks read (positions, hidden_states, residual) by name: GPT-OSS's layers take the
-    states first; positional or keyword, residual or none; M-RoPE positions keep one row."""
+    states first; positional or keyword, residual or none; a transformers layer under vLLM's
+    Transformers backend; M-RoPE positions keep one row."""
     from draftflow.capture.adapters.decoder import layer_inputs
 
     positions, states, residual = torch.arange(5), torch.randn(5, 8), torch.randn(5, 8)
@@ -236,6 +247,9 @@ def test_layer_inputs_follow_each_layer_s_own_parameter_names():
         assert got[0] is positions and got[1] is states and got[2] is residual, type(layer)
     got = layer_inputs(_GraniteLayer(), (positions, states), {})
     assert got[0] is positions and got[1] is states and got[2] is None
+    # A batch of one: positions [1, T], states [1, T, H], the residual added inside the layer.
+    got = layer_inputs(_TransformersLayer(), (states[None],), {"position_ids": positions[None]})
+    assert torch.equal(got[0], positions) and torch.equal(got[1], states) and got[2] is None
     mrope = torch.stack([positions] * 3)
     assert torch.equal(layer_inputs(_LlamaLayer(), (mrope, states, None), {})[0], positions)
     # States where positions belong (a layer whose names the wrapper hides): refused, not filed.
@@ -246,8 +260,9 @@ def test_layer_inputs_follow_each_layer_s_own_parameter_names():
 @pytest.mark.vllm
 @pytest.mark.parametrize(
     ("family", "engine"),
-    [(family, ENGINE) for family in CPU_FAMILIES] + [("deepseek_v3", REFERENCE_MLA)],
-    ids=[*CPU_FAMILIES, "deepseek_v3-reference-mla"],
+    [(family, ENGINE) for family in CPU_FAMILIES]
+    + [("deepseek_v3", REFERENCE_MLA), ("qwen3", TRANSFORMERS_BACKEND)],
+    ids=[*CPU_FAMILIES, "deepseek_v3-reference-mla", "qwen3-transformers-backend"],
 )
 def test_hooks_capture_matches_hf(family, engine, family_targets):
     target = family_targets(family)

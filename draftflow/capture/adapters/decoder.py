@@ -7,7 +7,8 @@ final norm, their call conventions, and the execute_model wrapper.
   ``language_model.model`` for multimodal wrappers (Llava, Mistral3, Qwen2.5-VL/Qwen3-VL,
   Kimi-K2.5), else the one submodule with ``layers`` and ``norm``. Its layers take
   ``positions``, ``hidden_states`` and ``residual`` (by those names, in any order; residual may
-  be absent) and its norm ``norm(hidden_states, residual)`` (fused add + RMSNorm); M-RoPE
+  be absent; transformers layers under vLLM's Transformers backend take ``position_ids`` and a
+  batch of one) and its norm ``norm(hidden_states, residual)`` (fused add + RMSNorm); M-RoPE
   models (Qwen-VL) pass positions as ``[3, T]``, whose rows agree for text-only prompts, so the
   first row is kept;
 - ``runner.execute_model(scheduler_output, ...)`` runs the forward. Since 0.11.1 it returns None
@@ -51,14 +52,20 @@ def model_text_config(runner: Any) -> Any:
 def layer_inputs(
     layer: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(positions, hidden_states, residual) of a decoder-layer call, by the layer's own
-    parameter names: most layers take ``(positions, hidden_states, residual)``, GPT-OSS's
-    ``(hidden_states, positions, residual)``, Granite's no residual."""
+    """(positions ``[T]``, hidden_states ``[T, H]``, residual) of a decoder-layer call, by the
+    layer's own parameter names: vLLM's layers take ``(positions, hidden_states, residual)``,
+    GPT-OSS's ``(hidden_states, positions, residual)``, Granite's no residual; a transformers
+    layer run by vLLM's Transformers backend ``(hidden_states [1, T, H], position_ids=[1, T])``
+    with the residual added inside."""
     values = dict(zip(_parameter_names(type(layer)), args, strict=False))
     values.update(kwargs)
-    positions, hidden_states = values.get("positions"), values.get("hidden_states")
-    if isinstance(positions, torch.Tensor) and positions.dim() == 2:
-        positions = positions[0]  # M-RoPE: the text rows are equal
+    positions = values.get("positions", values.get("position_ids"))
+    hidden_states = values.get("hidden_states")
+    if isinstance(positions, torch.Tensor):
+        # M-RoPE ([3, T], Qwen-VL: the text rows are equal) and batches of one ([1, T]):
+        # the first row is the text's positions.
+        while positions.dim() > 1:
+            positions = positions[0]
     if (
         not isinstance(positions, torch.Tensor)
         or positions.is_floating_point()
@@ -69,26 +76,33 @@ def layer_inputs(
             f"(its parameters: {', '.join(_parameter_names(type(layer)))}): this model is not "
             "supported by the hooks backend; use extract.backend hf"
         )
-    return positions, hidden_states, values.get("residual")
+    return positions, _unbatched(hidden_states), _unbatched(values.get("residual"))
+
+
+def _unbatched(states: torch.Tensor | None) -> torch.Tensor | None:
+    """``[1, T, H]`` (a transformers model's batch of one) as ``[T, H]``."""
+    if isinstance(states, torch.Tensor) and states.dim() == 3 and states.shape[0] == 1:
+        return states[0]
+    return states
 
 
 @functools.cache
 def _parameter_names(layer_class: type) -> tuple[str, ...]:
     """The names of a layer class's ``forward`` parameters after ``self``; vLLM's usual order
-    where the signature does not name both (a ``*args`` wrapper)."""
+    where the signature does not name the states (a ``*args`` wrapper)."""
     parameters = list(inspect.signature(layer_class.forward).parameters.values())[1:]
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = tuple(p.name for p in parameters if p.kind in positional)
-    if {"positions", "hidden_states"} <= set(names):
+    if "hidden_states" in names:
         return names
     return ("positions", "hidden_states", "residual")
 
 
 def norm_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(hidden_states, residual) of the final norm's call."""
-    hidden_states = args[0] if args else kwargs["x"]
+    hidden_states = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
     residual = args[1] if len(args) > 1 else kwargs.get("residual")
-    return hidden_states, residual
+    return _unbatched(hidden_states), _unbatched(residual)
 
 
 def wrap_execute_model(

@@ -30,6 +30,7 @@ from draftflow.capture.recorder import RequestFile, map_request_file
 from draftflow.capture.worker_extension import FILE_KEY
 from draftflow.engine import (
     engine_env,
+    engine_failure,
     generate_as_one_call,
     hold_first_step,
     installed_vllm_version,
@@ -86,6 +87,7 @@ class _Generation:
     """
 
     def __init__(self, llm: Any, prompts: list, params: list, as_one_call: bool = False) -> None:
+        self._llm = llm
         self.outputs: list = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -112,7 +114,7 @@ class _Generation:
         self._thread.join()
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            raise engine_failure(self._llm, error) from error
 
 
 class HooksBackend:
@@ -124,7 +126,9 @@ class HooksBackend:
         self.vllm_version = installed_vllm_version()
         check_hooks_version(self.vllm_version)
         self.layer_ids = list(layer_ids)
-        self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-capture-", dir=capture_tmp_root())
+        self._tmp = tempfile.TemporaryDirectory(
+            prefix="draftflow-capture-", dir=capture_tmp_root(), ignore_cleanup_errors=True
+        )
         env = engine_env(
             reserved_cpus=settings.reserved_cpus,
             model_runner=settings.model_runner,
@@ -220,6 +224,8 @@ class HooksBackend:
         if llm is not None:
             try:
                 llm.collective_rpc("draftflow_capture_close")
+            except Exception as error:  # a dead engine: the call that killed it raised already
+                log.warning("the capture workers could not be closed: %s", error)
             finally:
                 shutdown_engine(llm)
         self._tmp.cleanup()

@@ -23,6 +23,7 @@ from packaging.version import Version
 from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
 from draftflow.engine import (
     engine_env,
+    engine_failure,
     generate_as_one_call,
     hold_first_step,
     installed_vllm_version,
@@ -104,10 +105,13 @@ class NativeBackend:
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        if self.hold_first_step:
-            outputs = generate_as_one_call(self.llm, prompts, [params] * len(prompts))
-        else:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            if self.hold_first_step:
+                outputs = generate_as_one_call(self.llm, prompts, [params] * len(prompts))
+            else:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as error:
+            raise engine_failure(self.llm, error) from error
         results = []
         for output, ids in zip(outputs, token_ids, strict=True):
             path = (output.kv_transfer_params or {}).get("hidden_states_path")

@@ -8,8 +8,10 @@ driver in the state a user's is in, and nothing here should decide that state by
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(skip)
+
+
+# A file each failure is appended to as it happens (e.g. under a lent machine's $OUT).
+REPORT_ENV = "DRAFTFLOW_GPU_REPORT"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print a failure's message the moment its test ends, and append it to
+    ``$DRAFTFLOW_GPU_REPORT``: a GPU run cut off by a time limit never prints pytest's closing
+    report, which would hold every failure's cause."""
+    if not report.failed:
+        return
+    text = f"\n[gpu lane] FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n"
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(text)

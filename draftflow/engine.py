@@ -16,6 +16,7 @@ without creating a CUDA context.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -288,8 +289,10 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
         with tail:
             try:
                 llm = vllm.LLM(**copy.deepcopy(dict(kwargs)))
-                # The engine processes keep writing into the tail: a later failure's cause.
-                llm._draftflow_output_tail = tail
+                # The engine processes keep writing into the tail: a later failure's cause
+                # (engine_failure). A stand-in for vllm.LLM may not take the attribute.
+                with contextlib.suppress(AttributeError):
+                    llm._draftflow_output_tail = tail
                 return llm
             except Exception as error:
                 tail.settle()

@@ -69,7 +69,7 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
     from draftflow.capture.backends import EngineSettings, make_backend
     from draftflow.capture.extract import VerifySettings
     from draftflow.capture.layers import capture_layers
-    from draftflow.capture.verify import cosine_summary, token_cosines
+    from draftflow.capture.verify import cosine_failures, cosine_summary, token_cosines
 
     target = build_target(name, work / name, tokenizer)
     architecture = json.loads((target / "config.json").read_text())["architectures"][0]
@@ -103,10 +103,10 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
     summary = cosine_summary(cosines, layers.layer_ids)
     thresholds = VerifySettings()
     row["per_layer"] = summary
-    row["passed"] = all(
-        v["mean"] >= thresholds.min_mean_cosine and v["p01"] >= thresholds.min_p01_cosine
-        for v in summary.values()
+    row["failures"] = cosine_failures(
+        summary, thresholds.min_mean_cosine, thresholds.min_p01_cosine
     )
+    row["passed"] = not row["failures"]
     row["seconds"] = round(time.monotonic() - began, 1)
     return row
 

@@ -46,6 +46,18 @@ def cosine_summary(cosines: torch.Tensor, layer_ids: list[int]) -> dict[str, dic
     return summary
 
 
+def cosine_failures(
+    per_layer: dict[str, dict[str, float]], min_mean_cosine: float, min_p01_cosine: float
+) -> list[str]:
+    """Each layer whose mean or 1st-percentile token cosine is below its threshold, as a line."""
+    return [
+        f"layer {layer}: {stat} cosine {values[stat]:.5f} < {threshold}"
+        for layer, values in per_layer.items()
+        for stat, threshold in (("mean", min_mean_cosine), ("p01", min_p01_cosine))
+        if values[stat] < threshold
+    ]
+
+
 def pick_samples(num_samples: int, fraction: float) -> list[int]:
     """Deterministic, evenly spread sample indices: ``fraction`` of them, at least one."""
     if num_samples == 0:
@@ -110,12 +122,7 @@ def verify_shard(
     finally:
         reference_backend.close()
     per_layer = cosine_summary(torch.cat(cosines), layer_ids)
-    failures = [
-        f"layer {layer}: {stat} cosine {values[stat]:.5f} < {threshold}"
-        for layer, values in per_layer.items()
-        for stat, threshold in (("mean", min_mean_cosine), ("p01", min_p01_cosine))
-        if values[stat] < threshold
-    ]
+    failures = cosine_failures(per_layer, min_mean_cosine, min_p01_cosine)
     result = {
         "reference": reference_name,
         "store_dtype": reader.store_dtype,

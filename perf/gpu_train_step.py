@@ -57,7 +57,9 @@ TARGET_CONFIG = {
 BF16_DENSE_PEAK = 989e12  # H200 SXM datasheet, dense bf16
 
 
-def prepare(root: Path, samples: int, length: int, draft_vocab: int) -> None:
+def prepare(
+    root: Path, samples: int, length: int, draft_vocab: int, store_dtype: str = "bfloat16"
+) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -85,8 +87,18 @@ def prepare(root: Path, samples: int, length: int, draft_vocab: int) -> None:
         draft_vocab=draft_vocab,
         dtype=torch.bfloat16,
         chunk_samples=8,
+        store_dtype=store_dtype,
     )
-    print(json.dumps({"prepared": str(root), "train_samples": samples, "length": length}))
+    print(
+        json.dumps(
+            {
+                "prepared": str(root),
+                "train_samples": samples,
+                "length": length,
+                "store_dtype": store_dtype,
+            }
+        )
+    )
 
 
 def flop_count(model, ttt_steps: int, sample_length: int) -> dict:
@@ -158,6 +170,7 @@ def make_job(root: Path, args: argparse.Namespace, tag: str = "run"):
 def run_ours(root: Path, args: argparse.Namespace) -> dict | None:
     import torch
 
+    from draftflow.io import read_json
     from draftflow.train.loop import train
     from draftflow.train.metrics import read_metrics
 
@@ -177,6 +190,7 @@ def run_ours(root: Path, args: argparse.Namespace) -> dict | None:
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
     return {
         "impl": "draftflow.train.loop",
+        "store_dtype": read_json(root / "train" / "shard-00000" / "manifest.json")["dtype"],
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "timed_steps": len(timed),
         "tokens_per_step_all_ranks": timed[-1]["tokens"],
@@ -427,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-dir", type=Path, default=Path("profile"))
     parser.add_argument("--out", type=Path, help="append the result as one JSON line")
+    parser.add_argument(
+        "--store-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float8_e4m3fn"],
+        help="prepare: the capture store's dtype (fp8 is dequantized where the batch is built)",
+    )
     args = parser.parse_args(argv)
     if args.what == "summary":
         summary(args.results)
@@ -434,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.root is None:
         parser.error(f"{args.what} needs --root")
     if args.what == "prepare":
-        prepare(args.root, args.samples, args.sample_length, args.draft_vocab)
+        prepare(args.root, args.samples, args.sample_length, args.draft_vocab, args.store_dtype)
         return
     import logging
 

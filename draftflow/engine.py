@@ -375,6 +375,12 @@ _HINTS = (
         "(preprocessor_config.json, as released checkpoints do)",
     ),
     (
+        "mlp.experts.w2_weight",
+        "; this vLLM's GPT-OSS loader takes the experts' weights only as mxfp4, the way the "
+        "released checkpoints ship them, not in bf16 (vLLM 0.24 fails so on GPUs; the 0.32 CPU "
+        "build loads bf16 experts): use an mxfp4 checkpoint or a newer vLLM",
+    ),
+    (
         "does not support EAGLE3 interface",
         "; vLLM's EAGLE-3 (the bench stage) and its extract_hidden_states (extract.backend "
         "native) need a model class that hands out aux hidden states (SupportsEagle3 in "

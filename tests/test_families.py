@@ -102,6 +102,31 @@ def test_hf_backend_finds_the_text_decoder(family, family_targets):
         backend.close()
 
 
+def test_hf_backend_reads_a_wrapper_whose_config_class_vllm_replaced(family_targets):
+    """vLLM 0.24 registers its own Kimi-K2.5 config class with ``AutoConfig`` once an engine has
+    read such a target (seen on the GPU lane, where the hf reference then found no model class):
+    the hf backend reads the checkpoint with transformers' own class instead."""
+    from transformers import AutoConfig, Kimi_K25Config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    class KimiK25Config(Kimi_K25Config):  # a class of vLLM's name, unknown to the auto models
+        model_type = "kimi_k25"
+
+    target = family_targets("kimi_k25")
+    layers = capture_layers(target)
+    AutoConfig.register("kimi_k25", KimiK25Config, exist_ok=True)
+    try:
+        assert type(AutoConfig.from_pretrained(str(target))) is KimiK25Config
+        backend = make_backend("hf", target, layers.layer_ids, EngineSettings(64))
+        try:
+            (states,) = backend.capture(make_prompts([20], seed=1))
+        finally:
+            backend.close()
+    finally:
+        CONFIG_MAPPING._extra_content.pop("kimi_k25", None)
+    assert states.shape == (20, 4, 128)
+
+
 class _Block(torch.nn.Module):
     def __init__(self, count: int) -> None:
         super().__init__()
@@ -349,6 +374,25 @@ def test_start_errors_of_unsupported_classes_say_what_to_do():
     processor = start_hint("OSError: Can't load image processor for 'resources/target'.")
     assert "preprocessor_config.json" in processor and "bench" in processor
     assert start_hint("ValueError: something else") == ""
+    # vLLM 0.24's words on the GPU lane for the GPT-OSS family's bf16 experts
+    gpt_oss = start_hint("KeyError: 'layers.0.mlp.experts.w2_weight'")
+    assert "mxfp4" in gpt_oss and "bf16" in gpt_oss
+
+
+def test_native_refuses_mla_targets_where_vllm_s_extractor_fails(family_targets):
+    """vLLM 0.24's extractor failed at the first forward of every MLA target on the GPU lane;
+    the 0.32 CPU build captures them (test_native_capture_matches_hf)."""
+    from draftflow.capture.backends.native import native_refusal
+
+    deepseek, kimi, qwen3 = (family_targets(f) for f in ("deepseek_v3", "kimi_k25", "qwen3"))
+    refusal = native_refusal(deepseek, "0.24.0", cpu_build=False)
+    assert "DeepseekV3ForCausalLM" in refusal and "MLA" in refusal
+    assert "vLLM >= 0.32" in refusal and "extract.backend hooks" in refusal
+    assert "KimiK25ForConditionalGeneration" in native_refusal(kimi, "0.24.0", cpu_build=False)
+    assert native_refusal(deepseek, "0.32.0", cpu_build=False) == ""
+    assert native_refusal(deepseek, "0.24.0", cpu_build=True) == ""
+    assert native_refusal(qwen3, "0.24.0", cpu_build=False) == ""
+    assert "needs vLLM >= 0.17" in native_refusal(qwen3, "0.16.0", cpu_build=True)
 
 
 def test_a_class_vllm_cannot_inspect_names_the_missing_module(monkeypatch):

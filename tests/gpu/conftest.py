@@ -62,4 +62,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get(REPORT_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as handle:
-            handle.write(text)
+            handle.write(text + captured_tail(report))
+
+
+# Lines of each captured stream kept in the report: the engine processes' and vLLM's model
+# registry's own errors land there, before the summary exception that pytest shows.
+CAPTURED_TAIL_LINES = 150
+
+
+def captured_tail(report: pytest.TestReport) -> str:
+    """The end of what the test printed (stdout, stderr, log), as pytest captured it."""
+    parts = []
+    for name, content in report.sections:
+        lines = content.splitlines()[-CAPTURED_TAIL_LINES:]
+        parts.append(f"--- {name} (last {len(lines)} lines)\n" + "\n".join(lines) + "\n")
+    return "".join(parts)

@@ -55,12 +55,15 @@ def load_target(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    autos = (AutoModelForCausalLM, AutoModelForImageTextToText)
+    remote = getattr(config, "auto_map", None) or {}
+    if not remote and not any(type(config) in auto._model_mapping for auto in autos):
+        config = own_config(config, model_dir) or config
     if num_layers is not None:
         truncated_config(config, num_layers)
     tried = []
-    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
-        names = getattr(config, "auto_map", None) or {}
-        if type(config) in auto._model_mapping or auto.__name__ in names:
+    for auto in autos:
+        if type(config) in auto._model_mapping or auto.__name__ in remote:
             return auto.from_pretrained(
                 str(model_dir), config=config, dtype=dtype, trust_remote_code=trust_remote_code
             )
@@ -70,6 +73,21 @@ def load_target(
         f"(architectures {getattr(config, 'architectures', None)}) in {' or '.join(tried)}; "
         "the hf backend and the extract job's verification need one"
     )
+
+
+def own_config(config, model_dir: str | os.PathLike[str]):
+    """The checkpoint's config as transformers' own class for its ``model_type``, where another
+    class was registered over it (vLLM registers its own config classes, e.g. Kimi-K2.5's, with
+    ``AutoConfig`` once an engine has read the target in this process); None where transformers
+    has no class of its own or the registered one is it."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    name = CONFIG_MAPPING_NAMES.get(getattr(config, "model_type", None) or "")
+    own = getattr(transformers, name, None) if name else None
+    if own is None or own is type(config):
+        return None
+    return own.from_pretrained(str(model_dir))
 
 
 def truncated_config(config, num_layers: int) -> None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 from packaging.version import Version
 
 from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
+from draftflow.capture.layers import text_config
 from draftflow.engine import (
+    describe_model,
     engine_env,
     engine_failure,
     generate_as_one_call,
@@ -31,10 +34,15 @@ from draftflow.engine import (
     shutdown_engine,
     start_engine,
 )
+from draftflow.io import read_json
 
 log = logging.getLogger(__name__)
 
 NATIVE_MIN_VERSION = "0.17"
+# The oldest vLLM seen capturing an MLA target (DeepSeek-V3, Kimi-K2.5) with its extractor: 0.32
+# (CPU build). On GPUs 0.24 fails at the first forward: its hidden-state cache takes the MLA
+# KV cache's layout (tests/gpu/test_gpu_families.py).
+NATIVE_MLA_MIN_VERSION = "0.32"
 CPU_CONNECTOR_MODULE = "draftflow.capture.adapters.native_connector"
 CPU_CONNECTOR_CLASS = "SyncHiddenStatesConnector"
 GPU_CONNECTOR_CLASS = "ExampleHiddenStatesConnector"
@@ -44,6 +52,30 @@ def native_supports(vllm_version: str) -> bool:
     return Version(Version(vllm_version).base_version) >= Version(NATIVE_MIN_VERSION)
 
 
+def is_mla_target(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether the target's text model uses multi-head latent attention (DeepSeek-V3 family)."""
+    config = text_config(read_json(Path(model_dir) / "config.json"))
+    return bool(config.get("kv_lora_rank"))
+
+
+def native_refusal(model_dir: str | os.PathLike[str], vllm_version: str, cpu_build: bool) -> str:
+    """Why this vLLM's extractor cannot capture this target here ("" where it can)."""
+    if not native_supports(vllm_version):
+        return (
+            f"extract.backend native needs vLLM >= {NATIVE_MIN_VERSION}; installed: {vllm_version}"
+        )
+    too_old = Version(Version(vllm_version).base_version) < Version(NATIVE_MLA_MIN_VERSION)
+    if is_mla_target(model_dir) and too_old and not cpu_build:
+        return (
+            f"extract.backend native: vLLM {vllm_version}'s extract_hidden_states cannot capture "
+            f"{describe_model(model_dir)} on GPUs: its hidden-state cache takes the layout of the "
+            "target's MLA (multi-head latent attention) KV cache and the first forward fails; "
+            f"vLLM >= {NATIVE_MLA_MIN_VERSION} captures MLA targets, extract.backend hooks "
+            "captures them with any vLLM"
+        )
+    return ""
+
+
 class NativeBackend:
     name = "native"
 
@@ -51,11 +83,11 @@ class NativeBackend:
         self, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
     ) -> None:
         self.vllm_version = installed_vllm_version()
-        if self.vllm_version is None or not native_supports(self.vllm_version):
-            raise RuntimeError(
-                f"extract.backend native needs vLLM >= {NATIVE_MIN_VERSION}; "
-                f"installed: {self.vllm_version}"
-            )
+        if self.vllm_version is None:
+            raise RuntimeError(f"extract.backend native needs vLLM >= {NATIVE_MIN_VERSION}")
+        refusal = native_refusal(model_dir, self.vllm_version, on_cpu_build())
+        if refusal:
+            raise RuntimeError(refusal)
         self.layer_ids = list(layer_ids)
         self._tmp = tempfile.TemporaryDirectory(prefix="draftflow-native-")
         kwargs = capture_engine_kwargs(model_dir, settings)

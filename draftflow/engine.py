@@ -297,6 +297,9 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
             except Exception as error:
                 tail.settle()
                 cause = root_cause([*tail.lines, str(error)]) or str(error)
+                inspection = inspection_failure(cause)
+                if inspection:
+                    cause += f" (importing vLLM's module for it here: {inspection})"
                 raise EngineStartError(
                     f"vLLM {installed_vllm_version()} ({platform_name()}) could not start an "
                     f"engine for {describe_model(kwargs.get('model'))}: {cause}"
@@ -393,6 +396,27 @@ _HINTS = (
 # What vLLM's model registry imports when it inspects a class: it does so in a subprocess,
 # whose ImportError may not reach this log (seen on the GPU lane with a Llava and a Kimi-K2.5).
 _INSPECTION_IMPORTS = ("torchvision", "mistral_common", "compressed_tensors")
+
+
+_NOT_INSPECTED = re.compile(r"Model architectures \['([^']+)'\] failed to be inspected")
+
+
+def inspection_failure(cause: str) -> str:
+    """The error behind vLLM's "failed to be inspected": its registry imports the class's module
+    in a subprocess whose error may not reach this log (the GPU lane lost Llava's that way), so
+    the module is imported here again; "" where the cause names no class or the import works."""
+    match = _NOT_INSPECTED.search(cause)
+    if not match:
+        return ""
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        module = getattr(ModelRegistry.models.get(match.group(1)), "module_name", None)
+        if module:
+            importlib.import_module(module)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
 
 
 def start_hint(cause: str) -> str:

@@ -379,6 +379,22 @@ def test_start_errors_of_unsupported_classes_say_what_to_do():
     assert "mxfp4" in gpt_oss and "bf16" in gpt_oss
 
 
+@pytest.mark.vllm
+def test_a_class_vllm_could_not_inspect_is_imported_again_for_its_error():
+    """vLLM's registry says only "failed to be inspected" where the class's module does not
+    import (the GPU lane's Llava): the module is imported again for the real error. On this
+    stack vLLM's Llava module really fails so, for want of torchvision."""
+    from draftflow.engine import inspection_failure
+
+    cause = (
+        "1 validation error for ModelConfig\n  Value error, Model architectures "
+        "['LlavaForConditionalGeneration'] failed to be inspected. Please check the logs"
+    )
+    assert inspection_failure(cause) == "ModuleNotFoundError: No module named 'torchvision'"
+    assert inspection_failure(cause.replace("Llava", "Qwen3").replace("Conditional", "")) == ""
+    assert inspection_failure("ValueError: something else") == ""
+
+
 def test_native_refuses_mla_targets_where_vllm_s_extractor_fails(family_targets):
     """vLLM 0.24's extractor failed at the first forward of every MLA target on the GPU lane;
     the 0.32 CPU build captures them (test_native_capture_matches_hf)."""

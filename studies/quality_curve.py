@@ -129,11 +129,9 @@ def _train_tokens(workdir: Path) -> int:
 
 
 def _last_val(workdir: Path) -> dict:
-    records = [
-        json.loads(line)
-        for line in (workdir / "results" / "train" / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    from draftflow.train.metrics import read_metrics
+
+    records = read_metrics(workdir / "results" / "train" / "metrics.jsonl")
     val = [record for record in records if record["kind"] == "val"]
     if not val:
         raise RuntimeError(f"{workdir}: the training metrics hold no val record")

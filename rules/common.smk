@@ -6,6 +6,11 @@ from snakemake.utils import validate
 
 validate(config, schema="../config/schema.yaml")
 
+from draftflow.bench.schedule import bench_schedule
+
+# At start, not when the bench job runs hours later: engines that cannot share the memory.
+bench_schedule(config["bench"])
+
 
 RESULTS = Path("results")
 RESOURCES = Path("resources")
@@ -113,6 +118,7 @@ BENCH_SETTINGS = (
     "max_num_seqs",
     "gpu_memory_utilization",
     "kv_cache_memory_bytes",
+    "schedule",
     "reserved_cpus",
     "engine_args",
 )

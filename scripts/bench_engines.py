@@ -1,5 +1,6 @@
 """Rule bench_engines: every engine (the plain target, k = 0, and the EAGLE-3 draft at each k)
-side by side over every prompt set, interleaved unit by unit; each one's raw result as JSON.
+over every prompt set, side by side and interleaved unit by unit, or one at a time
+(bench.schedule, draftflow.bench.schedule); each one's raw result as JSON.
 
 The engines run in a child process (draftflow.bench.engine), so no vLLM engine starts in this one.
 """

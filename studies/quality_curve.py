@@ -6,9 +6,12 @@ that sets only what the curve varies or needs:
 
 - ``corpus.max_conversations``: the size (ShareGPT conversations kept before regeneration);
 - ``extract.num_shards.train``: one train shard per ``--conversations-per-shard`` conversations;
-- ``train.tokens_per_batch``: 8,192 (the example's 1,024 leaves a GPU step overhead-bound);
+- ``train.tokens_per_batch``: ``--tokens-per-batch``, 8,192 by default (the example's 1,024
+  leaves a GPU step overhead-bound; at 2,560 conversations it trains better, docs/benchmarks.md,
+  "The quality curve's first point");
 - ``bench``: every MT-bench question (both turns) and every HumanEval problem, k = 1 … 5,
-  greedy with the lossless check, 32 requests at a time (acceptance does not depend on it).
+  greedy with the lossless check, 32 requests at a time (acceptance does not depend on it),
+  the six engines side by side with 0.14 of the GPU each.
 
 Subcommands::
 
@@ -40,12 +43,12 @@ OVERLAY = "curve.yaml"
 KS = [1, 2, 3, 4, 5]
 
 
-def overlay(conversations: int, per_shard: int) -> dict:
+def overlay(conversations: int, per_shard: int, tokens_per_batch: int = 8192) -> dict:
     """The settings one size of the curve puts over the base config."""
     return {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
-        "train": {"tokens_per_batch": 8192},
+        "train": {"tokens_per_batch": tokens_per_batch},
         "bench": {
             "datasets": [
                 {
@@ -66,11 +69,15 @@ def overlay(conversations: int, per_shard: int) -> dict:
             ],
             "num_speculative_tokens": KS,
             "max_num_seqs": 32,
+            # Six engines alive at once on one GPU: the example's 0.2 each would need 1.2 of it.
+            "gpu_memory_utilization": 0.14,
         },
     }
 
 
-def prepare_workdir(work: Path, conversations: int, per_shard: int) -> Path:
+def prepare_workdir(
+    work: Path, conversations: int, per_shard: int, tokens_per_batch: int = 8192
+) -> Path:
     """``work/<conversations>``: the workflow's files and the size's config overlay."""
     import yaml
 
@@ -83,14 +90,16 @@ def prepare_workdir(work: Path, conversations: int, per_shard: int) -> Path:
             shutil.copytree(source, workdir / part, ignore=ignore, dirs_exist_ok=True)
         else:
             shutil.copy2(source, workdir / part)
-    text = yaml.safe_dump(overlay(conversations, per_shard), sort_keys=False)
+    text = yaml.safe_dump(overlay(conversations, per_shard, tokens_per_batch), sort_keys=False)
     (workdir / OVERLAY).write_text(text, encoding="utf-8")
     return workdir
 
 
 def run(args: argparse.Namespace) -> None:
     for conversations in args.sizes:
-        workdir = prepare_workdir(args.work, conversations, args.conversations_per_shard)
+        workdir = prepare_workdir(
+            args.work, conversations, args.conversations_per_shard, args.tokens_per_batch
+        )
         command = [
             sys.executable,
             "-m",
@@ -223,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--work", type=Path, required=True)
     run_parser.add_argument("--sizes", type=int, nargs="+", required=True)
     run_parser.add_argument("--conversations-per-shard", type=int, default=4000)
+    run_parser.add_argument("--tokens-per-batch", type=int, default=8192)
     run_parser.add_argument("--cores", type=int, default=16)
     run_parser.add_argument("--gpus", type=int, default=1)
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")

@@ -43,6 +43,31 @@ def test_failed_start_names_the_engines_own_error(broken_target: Path):
 
 
 @pytest.mark.vllm
+def test_a_bench_engine_that_cannot_start_names_the_cause_in_the_jobs_error(
+    broken_target: Path, tmp_path: Path
+):
+    """The bench's engines run in processes of their own (draftflow.bench.rounds): the job's
+    exception carries the engine's own error, not only an exit code."""
+    from draftflow.bench.run import engine_request, run_engines
+
+    request = engine_request(
+        str(broken_target),
+        None,
+        [0],
+        {"set": [{"id": "a", "turns": ["Hello"]}]},
+        max_tokens=4,
+        engine={"max_model_len": 64, "max_num_seqs": 1, "kv_cache_memory_bytes": 1 << 24},
+    )
+    with pytest.raises(RuntimeError) as raised:
+        run_engines(request, {0: tmp_path / "k0.json"})
+    message = str(raised.value)
+    print(message)
+    assert message.startswith("benchmark engine k=0 failed (exit code 1): EngineStartError:")
+    assert str(broken_target) in message and "norm" in message, message
+    assert not (tmp_path / "k0.json").exists()
+
+
+@pytest.mark.vllm
 def test_an_engine_that_dies_mid_call_names_the_workers_own_error(smollm2_dir: Path):
     """A failure inside a running engine (here the capture worker cannot open its request file:
     its directory is gone) reaches the driver as vLLM's "see above"; the backend's error names

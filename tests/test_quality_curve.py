@@ -38,6 +38,13 @@ def test_each_size_validates_over_the_gpu_example(curve, conversations):
     assert config["bench"]["num_speculative_tokens"] == [1, 2, 3, 4, 5]
     assert all(dataset["limit"] is None for dataset in config["bench"]["datasets"])
     assert config["bench"]["temperature"] == 0.0  # greedy: the lossless check applies
+    # The six engines fit on one GPU together (the H200 run with 0.2 each lost its k=4 engine).
+    from draftflow.bench.schedule import SIDE_BY_SIDE, engine_schedule
+
+    assert engine_schedule("side_by_side", 6, config["bench"]["gpu_memory_utilization"], None)
+    assert engine_schedule("auto", 6, config["bench"]["gpu_memory_utilization"], None) == (
+        SIDE_BY_SIDE
+    )
 
 
 def test_a_finished_run_is_read_as_one_point(curve, tiny_pipeline, tmp_path):

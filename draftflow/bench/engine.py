@@ -226,7 +226,12 @@ def main(argv: list[str]) -> int:
         open(int(argv[1]), encoding="utf-8") as commands,
         open(int(argv[2]), "w", encoding="utf-8") as replies,
     ):
-        serve(request, commands, replies)
+        try:
+            serve(request, commands, replies)
+        except Exception as error:
+            # The driver raises this in the job's own exception; the traceback goes to the log.
+            _reply(replies, {"error": f"{type(error).__name__}: {error}"})
+            raise
     return 0
 
 

@@ -80,11 +80,19 @@ class EngineProcess:
         self.replies = open(self._replies, encoding="utf-8")  # noqa: SIM115
 
     def _receive(self) -> dict[str, Any]:
+        """The engine's next reply; its own error (an engine that could not start names the
+        root cause, ``draftflow.engine``) raised here, in the job's exception."""
         line = self.replies.readline()
         if not line:
             code = self.process.wait()
             raise RuntimeError(f"benchmark engine k={self.k} failed with exit code {code}")
-        return json.loads(line)
+        message = json.loads(line)
+        if "error" in message:
+            code = self.process.wait()
+            raise RuntimeError(
+                f"benchmark engine k={self.k} failed (exit code {code}): {message['error']}"
+            )
+        return message
 
     def wait_ready(self) -> None:
         if not self._receive().get("ready"):
@@ -118,6 +126,7 @@ class EngineProcess:
             self.process.terminate()
             self.process.wait()
         self.replies.close()
+        log.info("stopped engine k=%d", self.k)
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Benchmark engines: every configuration (k = 0 is the plain target) over every prompt set.
 
 ``run_engines`` runs all configurations side by side, each engine in a fresh process of its own
-(``draftflow.bench.engine``), interleaved unit by unit (``draftflow.bench.rounds``), and writes each one's raw
+(``draftflow.bench.engine``), interleaved unit by unit (``draftflow.bench.rounds``), or one after
+the other where their memory cannot be shared (``draftflow.bench.schedule``), and writes each one's raw
 result (timings per unit, vLLM counters, every response's token ids) as JSON; the tables are
 made from those results by ``draftflow.bench.tables``. Kept apart so that a change to the tables
 doesn't rerun the engines.
@@ -17,6 +18,7 @@ from typing import Any
 
 from draftflow.bench.engine import engine_kwargs
 from draftflow.bench.rounds import engine_processes, run_rounds
+from draftflow.bench.schedule import AUTO, SIDE_BY_SIDE, engine_schedule
 from draftflow.engine import engine_env
 from draftflow.io import atomic_write_json
 
@@ -51,15 +53,22 @@ def engine_request(
     repeats: int = 1,
     warmup_tokens: int = 16,
     engine: dict[str, Any] | None = None,
+    schedule: str = AUTO,
 ) -> dict[str, Any]:
     """The request ``draftflow.bench.engine`` runs: one engine per k in ``ks``, identical but
-    for the draft."""
+    for the draft, alive at once or one at a time (``schedule``, resolved here)."""
     if len(set(ks)) != len(ks) or not ks:
         raise ValueError(f"engine configurations must be distinct and at least one, got {ks}")
+    engine = dict(engine or {})
     return {
+        "schedule": engine_schedule(
+            schedule,
+            len(ks),
+            engine.get("gpu_memory_utilization"),
+            engine.get("kv_cache_memory_bytes"),
+        ),
         "engines": {
-            str(k): engine_kwargs(target, draft if k else None, k, **dict(engine or {}))
-            for k in sorted(ks)
+            str(k): engine_kwargs(target, draft if k else None, k, **engine) for k in sorted(ks)
         },
         "sampling": {
             "temperature": temperature,
@@ -88,6 +97,7 @@ def request_settings(
         "seed": bench["seed"],
         "repeats": bench["repeats"],
         "warmup_tokens": bench["warmup_tokens"],
+        "schedule": bench["schedule"],
         "engine": {
             "max_model_len": bench["max_model_len"],
             "max_num_seqs": bench["max_num_seqs"],
@@ -105,8 +115,9 @@ def request_settings(
 def run_engines(
     request: dict[str, Any], out_jsons: dict[int, str | Path], reserved_cpus: int | None = 1
 ) -> dict[int, dict[str, Any]]:
-    """Run every configuration of ``request`` side by side (``draftflow.bench.rounds``); write
-    each one's result (with its ``k``) atomically to ``out_jsons[k]``."""
+    """Run every configuration of ``request``, side by side or one at a time as its
+    ``schedule`` says (``draftflow.bench.rounds``); write each one's result (with its ``k``)
+    atomically to ``out_jsons[k]``."""
     ks = sorted(int(k) for k in request["engines"])
     if sorted(out_jsons) != ks:
         raise ValueError(f"result paths for k={sorted(out_jsons)}, engines for k={ks}")
@@ -116,18 +127,30 @@ def run_engines(
     shared = {key: request[key] for key in ("sampling", "prompt_sets", "warmup_tokens")}
     engines = {int(k): kwargs for k, kwargs in request["engines"].items()}
     max_num_seqs = int(engines[ks[0]].get("max_num_seqs", 1))
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-", dir=workdir) as tmp,
-        engine_processes(
-            {k: {**shared, "engine": engines[k]} for k in ks},
-            Path(tmp),
-            engine_environment(request, reserved_cpus),
-        ) as processes,
-    ):
-        runs = run_rounds(processes, request["prompt_sets"], int(request["repeats"]), max_num_seqs)
+    schedule = request.get("schedule", SIDE_BY_SIDE)
+    groups = [ks] if schedule == SIDE_BY_SIDE else [[k] for k in ks]
+    log.info("bench schedule: %s (%s)", schedule, " | ".join(map(str, groups)))
+    env = engine_environment(request, reserved_cpus)
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for group in groups:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-", dir=workdir) as tmp,
+            engine_processes(
+                {k: {**shared, "engine": engines[k]} for k in group}, Path(tmp), env
+            ) as processes,
+        ):
+            runs.update(
+                run_rounds(processes, request["prompt_sets"], int(request["repeats"]), max_num_seqs)
+            )
     results = {}
     for k in ks:
-        result = {"engine": engines[k], "sampling": request["sampling"], "runs": runs[k], "k": k}
+        result = {
+            "engine": engines[k],
+            "sampling": request["sampling"],
+            "schedule": schedule,
+            "runs": runs[k],
+            "k": k,
+        }
         paths[k].parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(paths[k], result)
         results[k] = result

@@ -1,0 +1,121 @@
+"""The bench engines side by side or one at a time (draftflow.bench.schedule): which one a
+config gets, the refusal at start where the engines cannot share the memory, and a real run of
+two engines one after the other on the tiny workflow's target and draft."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from workflow_support import copy_workflow, run_snakemake, tiny_config, write_config
+
+from draftflow.bench.schedule import (
+    ONE_AT_A_TIME,
+    SIDE_BY_SIDE,
+    bench_schedule,
+    engine_schedule,
+)
+from draftflow.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "engines", "share", "kv_bytes", "expected"),
+    [
+        ("auto", 3, 0.05, None, SIDE_BY_SIDE),
+        ("auto", 6, 0.15, None, SIDE_BY_SIDE),  # 0.90 together: fits
+        ("auto", 6, 0.2, None, ONE_AT_A_TIME),  # 1.2: the H200 run that lost its k=4 engine
+        ("auto", 6, 0.9, 64 << 20, SIDE_BY_SIDE),  # KV cache in bytes: the share is not used
+        ("one_at_a_time", 2, 0.05, None, ONE_AT_A_TIME),
+        ("side_by_side", 4, 0.2, None, SIDE_BY_SIDE),
+    ],
+)
+def test_schedule_of_engines(schedule, engines, share, kv_bytes, expected):
+    assert engine_schedule(schedule, engines, share, kv_bytes) == expected
+
+
+def test_side_by_side_that_cannot_fit_is_refused_with_what_would():
+    with pytest.raises(ValueError) as refused:
+        engine_schedule("side_by_side", 6, 0.2, None)
+    message = str(refused.value)
+    assert "6 engines alive at once" in message and "1.20 of the memory" in message
+    assert "at most 0.150" in message and "one_at_a_time" in message
+    with pytest.raises(ValueError, match="must be one of"):
+        engine_schedule("sometimes", 2, 0.1, None)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("config/config.yaml", SIDE_BY_SIDE),
+        ("config/examples/smollm2-gpu.yaml", SIDE_BY_SIDE),
+        ("config/examples/llama3.1-8b-8gpu.yaml", SIDE_BY_SIDE),
+        # Six copies of a 1T target cannot share one node.
+        ("config/examples/kimi-k2.5-8gpu.yaml", ONE_AT_A_TIME),
+    ],
+)
+def test_shipped_configs_schedule(config, expected):
+    assert bench_schedule(load_config(REPO / config)["bench"]) == expected
+
+
+def test_workflow_refuses_engines_that_cannot_share_at_start(tmp_path):
+    workdir = copy_workflow(tmp_path / "workflow")
+    config = tiny_config()
+    config["bench"].update(
+        schedule="side_by_side", gpu_memory_utilization=0.5, kv_cache_memory_bytes=None
+    )
+    write_config(workdir, config)
+    result = run_snakemake(workdir, "-n", check=False, timeout=300)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "bench.schedule: side_by_side keeps 3 engines alive at once" in output, output[-3000:]
+
+
+@pytest.mark.vllm
+def test_engines_one_at_a_time_on_the_tiny_workflow(tiny_pipeline, tmp_path, caplog):
+    """k = 0 and k = 1, each engine stopped before the next starts; the same units, and the
+    lossless check's greedy outputs, as side by side."""
+    from draftflow.bench.run import engine_request, run_engines
+
+    prompts = [
+        {"id": "a", "turns": ["Name three colours."]},
+        {"id": "b", "turns": ["What is two plus two?"]},
+    ]
+    request = engine_request(
+        str(tiny_pipeline / "resources" / "target"),
+        str(tiny_pipeline / "results" / "train" / "draft"),
+        [0, 1],
+        {"set": prompts},
+        max_tokens=16,
+        repeats=2,
+        engine={"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20},
+        schedule="one_at_a_time",
+    )
+    with caplog.at_level(logging.INFO, logger="draftflow.bench"):
+        results = run_engines(request, {k: tmp_path / f"k{k}.json" for k in (0, 1)})
+    events = [
+        record.getMessage()
+        for record in caplog.records
+        if record.getMessage().startswith(("starting engine", "stopped engine"))
+    ]
+    assert events == [
+        "starting engine k=0",
+        "stopped engine k=0",
+        "starting engine k=1",
+        "stopped engine k=1",
+    ]
+    assert {k: result["schedule"] for k, result in results.items()} == {
+        0: ONE_AT_A_TIME,
+        1: ONE_AT_A_TIME,
+    }
+    for k in (0, 1):
+        runs = results[k]["runs"]
+        assert [run["run"] for run in runs] == [0, 1]
+        assert [unit["unit"] for unit in runs[0]["units"]] == ["a", "b"]
+    plain, drafted = (results[k]["runs"][0]["responses"] for k in (0, 1))
+    assert {pid: [r["token_ids"] for r in turns] for pid, turns in plain.items()} == {
+        pid: [r["token_ids"] for r in turns] for pid, turns in drafted.items()
+    }
+    assert results[1]["runs"][0]["num_drafts"] > 0

@@ -57,6 +57,7 @@ rule report:
         mem_mb=mem_mb("default"),
     params:
         bootstrap=bench_bootstrap(),
+        schedule=bench_schedule(config["bench"]),
         code=stage_code("report"),
     script:
         "../scripts/report.py"

@@ -10,6 +10,7 @@ summary = build_report(
     bench_csvs=snakemake.input.bench,
     unit_csvs=snakemake.input.units,
     bootstrap=Bootstrap(**snakemake.params.bootstrap),
+    schedule=snakemake.params.schedule,
     train_metrics=snakemake.input.train_metrics,
     target_dir=target_dir(snakemake),
     draft_dir=snakemake.input.draft,

@@ -184,7 +184,10 @@ def test_units_give_every_figure_an_interval(bench_csv: Path):
     assert best.loc["mtbench", "k"] == 3 and bool(best.loc["mtbench", "named_best"])
 
 
-def test_overlapping_intervals_are_reported_as_a_tie(bench_csv: Path, tmp_path: Path, run_dirs):
+@pytest.mark.parametrize("schedule", ["side_by_side", "one_at_a_time"])
+def test_overlapping_intervals_are_reported_as_a_tie(
+    bench_csv: Path, tmp_path: Path, run_dirs, schedule: str
+):
     # k=1 and k=3 measured 1.20x and 1.22x with 10 % noise per time: no k can be named.
     units = paired_units({1: 1.20, 3: 1.22}, noise=0.10, seed=4)
     summary = summarise(pd.read_csv(bench_csv), units, Bootstrap(samples=500))
@@ -203,10 +206,14 @@ def test_overlapping_intervals_are_reported_as_a_tie(bench_csv: Path, tmp_path: 
         paths,
         unit_csvs=[units_csv],
         bootstrap=Bootstrap(samples=500, seed=1),
+        schedule=schedule,
     )
     markdown = Path(paths.markdown).read_text()
     assert "| mtbench | 0 | tie: k=1, k=3 |" in markdown
     assert "95 % confidence intervals" in markdown and "500 resamples, seed 1" in markdown
+    # Engines timed one after the other: the report says what its intervals leave out.
+    said = "The engines ran one at a time (`bench.schedule`), not side by side" in markdown
+    assert said == (schedule == "one_at_a_time")
     saved = pd.read_csv(paths.summary)
     assert {"speedup_low", "speedup_high", "tokens_per_s_low", "tpot_ms_high"} <= set(saved)
     assert len(saved) == 3  # tidy: one row per prompt set and k

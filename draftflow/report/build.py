@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from draftflow.bench.schedule import ONE_AT_A_TIME, SIDE_BY_SIDE
 from draftflow.io import atomic_path, atomic_write_text
 from draftflow.report import plots
 from draftflow.report.summary import (
@@ -133,6 +134,7 @@ def render_markdown(
     draft: str,
     sizes: dict[str, dict[str, int]],
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    schedule: str = SIDE_BY_SIDE,
 ) -> str:
     lines = ["# draftflow summary", "", f"- Target: {target}", f"- Draft: {draft}"]
     if sizes:
@@ -172,6 +174,13 @@ def render_markdown(
             "the k whose intervals reach the leader's tie.",
             "",
         ]
+        if schedule == ONE_AT_A_TIME:
+            lines += [
+                "The engines ran one at a time (`bench.schedule`), not side by side: a change "
+                "in the machine's speed from one engine's turn to the next enters the speed-ups, "
+                "and the intervals do not cover it.",
+                "",
+            ]
     best = best_k(summary)
     if best.empty:
         lines.append("No speculative run to compare.")
@@ -240,9 +249,11 @@ def build_report(
     out: ReportPaths,
     unit_csvs: Iterable[str | Path] | None = None,
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    schedule: str = SIDE_BY_SIDE,
 ) -> pd.DataFrame:
     """Write every report output; return the summary table. ``unit_csvs`` (the bench units
-    tables) give the figures their confidence intervals."""
+    tables) give the figures their confidence intervals; ``schedule`` is how the bench's
+    engines ran (``draftflow.bench.schedule``)."""
     units = read_bench_tables(unit_csvs) if unit_csvs is not None else None
     summary = summarise(read_bench_tables(bench_csvs), units, bootstrap)
     train_log = read_train_log(train_metrics)
@@ -255,6 +266,7 @@ def build_report(
         describe_draft(draft_dir),
         data_size(extract_dirs),
         bootstrap,
+        schedule,
     )
     atomic_write_text(out.markdown, markdown)
     plots.plot_acceptance_length(summary, out.acceptance_length)

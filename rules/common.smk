@@ -9,7 +9,7 @@ validate(config, schema="../config/schema.yaml")
 from draftflow.bench.schedule import bench_schedule
 
 # At start, not when the bench job runs hours later: engines that cannot share the memory.
-bench_schedule(config["bench"])
+BENCH_SCHEDULE = bench_schedule(config["bench"])
 
 
 RESULTS = Path("results")

@@ -57,7 +57,7 @@ rule report:
         mem_mb=mem_mb("default"),
     params:
         bootstrap=bench_bootstrap(),
-        schedule=bench_schedule(config["bench"]),
+        schedule=BENCH_SCHEDULE,
         code=stage_code("report"),
     script:
         "../scripts/report.py"

@@ -42,12 +42,27 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "config" / "schema.yaml"
 
 
-def load_config(path: str | os.PathLike[str] = REPO / "config" / "config.yaml") -> dict[str, Any]:
-    """A config file as the workflow sees it: validated against config/schema.yaml, defaults
+def load_config(
+    path: str | os.PathLike[str] = REPO / "config" / "config.yaml",
+    *overlays: str | os.PathLike[str],
+) -> dict[str, Any]:
+    """A config file as the workflow sees it: ``overlays`` merged over it in order (as
+    Snakemake merges several ``--configfile``), validated against config/schema.yaml, defaults
     filled (for the drivers that run stages outside Snakemake)."""
     import yaml
     from snakemake.utils import validate
 
     config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    for overlay in overlays:
+        merge_config(config, yaml.safe_load(Path(overlay).read_text(encoding="utf-8")) or {})
     validate(config, str(SCHEMA))
     return config
+
+
+def merge_config(config: dict[str, Any], overlay: Mapping[str, Any]) -> None:
+    """``overlay`` into ``config`` in place: mappings merge key by key, anything else replaces."""
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(config.get(key), dict):
+            merge_config(config[key], value)
+        else:
+            config[key] = value

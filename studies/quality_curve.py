@@ -45,9 +45,16 @@ KS = [1, 2, 3, 4, 5]
 TOKENS_PER_BATCH = 8192
 
 
-def overlay(conversations: int, per_shard: int, tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
-    """The settings one size of the curve puts over the base config."""
-    return {
+def overlay(
+    conversations: int,
+    per_shard: int,
+    tokens_per_batch: int = TOKENS_PER_BATCH,
+    engine_share: float | None = None,
+) -> dict:
+    """The settings one size of the curve puts over the base config; ``engine_share``: the
+    fraction of the GPU each vLLM engine takes (regenerate, extract, each bench engine), so that
+    several sizes can run on one GPU at once."""
+    settings = {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
         "train": {"tokens_per_batch": tokens_per_batch},
@@ -75,10 +82,19 @@ def overlay(conversations: int, per_shard: int, tokens_per_batch: int = TOKENS_P
             "gpu_memory_utilization": 0.14,
         },
     }
+    if engine_share is not None:
+        settings["corpus"]["regenerate"] = {"gpu_memory_utilization": engine_share}
+        settings["extract"]["gpu_memory_utilization"] = engine_share
+        settings["bench"]["gpu_memory_utilization"] = engine_share
+    return settings
 
 
 def prepare_workdir(
-    work: Path, conversations: int, per_shard: int, tokens_per_batch: int = TOKENS_PER_BATCH
+    work: Path,
+    conversations: int,
+    per_shard: int,
+    tokens_per_batch: int = TOKENS_PER_BATCH,
+    engine_share: float | None = None,
 ) -> Path:
     """``work/<conversations>``: the workflow's files and the size's config overlay."""
     import yaml
@@ -92,15 +108,24 @@ def prepare_workdir(
             shutil.copytree(source, workdir / part, ignore=ignore, dirs_exist_ok=True)
         else:
             shutil.copy2(source, workdir / part)
-    text = yaml.safe_dump(overlay(conversations, per_shard, tokens_per_batch), sort_keys=False)
+    settings = overlay(conversations, per_shard, tokens_per_batch, engine_share)
+    text = yaml.safe_dump(settings, sort_keys=False)
     (workdir / OVERLAY).write_text(text, encoding="utf-8")
     return workdir
 
 
 def run(args: argparse.Namespace) -> None:
+    """Each size's Snakemake run: one after the other, or all at once with ``--parallel`` (the
+    cores split between them; each run's own ``gpu`` resource keeps its GPU jobs in turn)."""
+    cores = max(1, args.cores // len(args.sizes)) if args.parallel else args.cores
+    runs = []
     for conversations in args.sizes:
         workdir = prepare_workdir(
-            args.work, conversations, args.conversations_per_shard, args.tokens_per_batch
+            args.work,
+            conversations,
+            args.conversations_per_shard,
+            args.tokens_per_batch,
+            args.engine_share,
         )
         command = [
             sys.executable,
@@ -110,13 +135,20 @@ def run(args: argparse.Namespace) -> None:
             BASE_CONFIG,
             OVERLAY,
             "--cores",
-            str(args.cores),
+            str(cores),
             "--resources",
             f"gpu={args.gpus}",
             *args.snakemake_args,
         ]
         print(f"== {conversations} conversations: {' '.join(command)}", flush=True)
-        subprocess.run(command, cwd=workdir, check=True)
+        if not args.parallel:
+            subprocess.run(command, cwd=workdir, check=True)
+            continue
+        log = (workdir / "snakemake.log").open("w")
+        runs.append((conversations, subprocess.Popen(command, cwd=workdir, stdout=log, stderr=log)))
+    failed = [conversations for conversations, process in runs if process.wait() != 0]
+    if failed:
+        raise SystemExit(f"sizes {failed} failed: see snakemake.log in their workdirs")
 
 
 def _stage_seconds(workdir: Path) -> dict[str, float]:
@@ -237,6 +269,12 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--tokens-per-batch", type=int, default=TOKENS_PER_BATCH)
     run_parser.add_argument("--cores", type=int, default=16)
     run_parser.add_argument("--gpus", type=int, default=1)
+    run_parser.add_argument("--parallel", action="store_true", help="every size at once")
+    run_parser.add_argument(
+        "--engine-share",
+        type=float,
+        help="fraction of the GPU each vLLM engine takes (default: the example's)",
+    )
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
     collect_parser = sub.add_parser("collect")
     collect_parser.add_argument("--work", type=Path, required=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -114,9 +115,17 @@ def prepare_workdir(
     return workdir
 
 
+def size_environment(workdir: Path) -> dict[str, str]:
+    """A size's environment when sizes run at once: GPU locks of its own, so its GPU jobs do
+    not queue behind the other sizes' (``--engine-share`` makes their engines fit together)."""
+    from draftflow.workflow.gpu import LOCK_DIR_ENV
+
+    return {**os.environ, LOCK_DIR_ENV: str(workdir / ".gpu-locks")}
+
+
 def run(args: argparse.Namespace) -> None:
     """Each size's Snakemake run: one after the other, or all at once with ``--parallel`` (the
-    cores split between them; each run's own ``gpu`` resource keeps its GPU jobs in turn)."""
+    cores split between them; each size's GPU jobs take turns among themselves only)."""
     cores = max(1, args.cores // len(args.sizes)) if args.parallel else args.cores
     runs = []
     for conversations in args.sizes:
@@ -144,8 +153,11 @@ def run(args: argparse.Namespace) -> None:
         if not args.parallel:
             subprocess.run(command, cwd=workdir, check=True)
             continue
-        log = (workdir / "snakemake.log").open("w")
-        runs.append((conversations, subprocess.Popen(command, cwd=workdir, stdout=log, stderr=log)))
+        with (workdir / "snakemake.log").open("w") as log:
+            process = subprocess.Popen(
+                command, cwd=workdir, stdout=log, stderr=log, env=size_environment(workdir)
+            )
+        runs.append((conversations, process))
     failed = [conversations for conversations, process in runs if process.wait() != 0]
     if failed:
         raise SystemExit(f"sizes {failed} failed: see snakemake.log in their workdirs")
@@ -161,6 +173,36 @@ def _stage_seconds(workdir: Path) -> dict[str, float]:
             name = str(path.relative_to(workdir / "benchmarks").with_suffix(""))
             seconds[name] = round(float(rows[-1]["s"]), 2)
     return seconds
+
+
+def _lease_wait(log: Path) -> float:
+    """Seconds a job waited for its GPU lease: from the log's first stamped line to the one
+    that says the lease was taken (0 where it never waited)."""
+    from datetime import datetime
+
+    def stamp(line: str) -> datetime | None:
+        try:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+        except ValueError:
+            return None
+
+    if not log.exists():
+        return 0.0
+    lines = log.read_text(errors="replace").splitlines()
+    first = next((stamp(line) for line in lines if stamp(line)), None)
+    leased = next((stamp(line) for line in lines if "leased GPU" in line and stamp(line)), None)
+    return (leased - first).total_seconds() if first and leased else 0.0
+
+
+def _gpu_seconds(workdir: Path, seconds: dict[str, float]) -> dict[str, float]:
+    """Seconds each GPU job held its GPU: its wall seconds less the wait for the lease (several
+    sizes at once queue for the one GPU)."""
+    held = {}
+    for name, total in seconds.items():
+        log = workdir / "logs" / f"{name}.log"
+        if log.exists() and "leased GPU" in log.read_text(errors="replace"):
+            held[name] = round(total - _lease_wait(log), 2)
+    return held
 
 
 def _train_tokens(workdir: Path) -> int:
@@ -193,6 +235,9 @@ def _bench(workdir: Path) -> dict[str, list[dict]]:
                 "acceptance_length": float(row["acceptance_length"]),
                 "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
                 "outputs_identical": row["outputs_identical"] == "True",
+                "num_requests_differ": int(row["num_requests_differ"]),
+                "first_difference": row["first_difference"],
+                "speedup": float(row["speedup"]),
                 "num_drafts": int(float(row["num_drafts"])),
             }
             for row in rows
@@ -202,13 +247,14 @@ def _bench(workdir: Path) -> dict[str, list[dict]]:
 
 
 def collect_point(workdir: Path) -> dict:
-    """One finished workdir as a point of the curve."""
+    """One trained workdir as a point of the curve (``bench`` empty where it did not finish)."""
     return {
         "workdir": workdir.name,
         "train_tokens": _train_tokens(workdir),
         "val": _last_val(workdir),
         "bench": _bench(workdir),
-        "stage_seconds": _stage_seconds(workdir),
+        "stage_seconds": (seconds := _stage_seconds(workdir)),
+        "gpu_seconds": _gpu_seconds(workdir, seconds),
     }
 
 
@@ -221,11 +267,14 @@ def plot(points: list[dict], path: Path, k: int = 3) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     tokens = [point["train_tokens"] / 1e6 for point in points]
     for dataset in sorted({name for point in points for name in point["bench"]}):
+        benched = [point for point in points if dataset in point["bench"]]
         taus = [
             next(row["acceptance_length"] for row in point["bench"][dataset] if row["k"] == k)
-            for point in points
+            for point in benched
         ]
-        axes[0].plot(tokens, taus, marker="o", label=dataset)
+        axes[0].plot(
+            [point["train_tokens"] / 1e6 for point in benched], taus, marker="o", label=dataset
+        )
     axes[0].set(xlabel="train tokens (millions)", ylabel=f"τ at k = {k}", xscale="log")
     axes[0].legend()
     for position in range(len(points[0]["val"]["full_acc"])):
@@ -241,12 +290,16 @@ def collect(args: argparse.Namespace) -> None:
     from draftflow.io import atomic_write_json
 
     workdirs = sorted(
-        (path for path in args.work.iterdir() if (path / "results" / "bench").is_dir()),
+        (
+            path
+            for path in args.work.iterdir()
+            if (path / "results" / "train" / "metrics.jsonl").exists()
+        ),
         key=lambda path: int(path.name) if path.name.isdigit() else path.name,
     )
     points = [collect_point(workdir) for workdir in workdirs]
     if not points:
-        raise SystemExit(f"{args.work}: no finished size (results/bench) to collect")
+        raise SystemExit(f"{args.work}: no trained size (results/train) to collect")
     points.sort(key=lambda point: point["train_tokens"])
     atomic_write_json(args.out, {"config": BASE_CONFIG, "points": points})
     if args.plot:

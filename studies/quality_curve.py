@@ -16,6 +16,8 @@ that sets only what the curve varies or needs:
 Subcommands::
 
     python studies/quality_curve.py run --work W --sizes 6000 12000 24000   # on the GPU node
+    python studies/quality_curve.py run --work W --sizes 640 1280 2560 --parallel \
+        --engine-share 0.04                # every size at once on one GPU, 0.04 of it per engine
     python studies/quality_curve.py collect --work W --out docs/results/quality-curve.json \\
         --plot docs/quality-curve.png
 

@@ -122,6 +122,12 @@ def server_command(
         str(engine["max_model_len"]),
         "--gpu-memory-utilization",
         str(engine["gpu_memory_utilization"]),
+        *(
+            ["--kv-cache-memory-bytes", str(engine["kv_cache_memory_bytes"])]
+            if engine.get("kv_cache_memory_bytes")
+            else []
+        ),
+        *(["--trust-remote-code"] if engine.get("trust_remote_code") else []),
         "--speculative-config",
         json.dumps(speculative),
         "--kv-transfer-config",
@@ -241,6 +247,10 @@ class Stages:
         self.config = workdir_config(self.workdir, config_files)
         self.target = self.workdir / TARGET
         self.seconds_path = self.out / "stage_seconds.json"
+        # A user's config turns remote code on; speculators' commands then need it too.
+        self.remote_code = (
+            ["--trust-remote-code"] if self.config["target"]["trust_remote_code"] else []
+        )
 
     def timed(self, name: str, done: Path, work) -> None:
         from draftflow.io import atomic_write_json, read_json
@@ -271,6 +281,8 @@ class Stages:
         engine = {
             "max_model_len": self.config["tokenize"]["max_length"],
             "gpu_memory_utilization": extract["gpu_memory_utilization"],
+            "kv_cache_memory_bytes": extract["kv_cache_memory_bytes"],
+            "trust_remote_code": self.config["target"]["trust_remote_code"],
         }
         cache = self.out / "server_cache"
         hidden = self.out / "hidden_states"
@@ -284,6 +296,7 @@ class Stages:
                 "--output", str(self.out / "data"),
                 "--seq-length", str(self.config["tokenize"]["max_length"]),
                 "--no-skip-token-freq",
+                *self.remote_code,
                 log_path=self.out / "logs" / "prepare-data.log",
             )  # fmt: skip
             speculators_cli(
@@ -313,6 +326,7 @@ class Stages:
             "--hidden-states-path", str(self.out / "hidden_states"),
             "--save-path", str(checkpoints),
             "--on-missing", "raise",
+            *self.remote_code,
             *train_arguments(recipe, self.config),
             log_path=self.out / "logs" / f"train-{recipe}.log",
             torchrun=self.gpus,

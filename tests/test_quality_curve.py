@@ -63,3 +63,34 @@ def test_a_finished_run_is_read_as_one_point(curve, tiny_pipeline, tmp_path):
     assert point["stage_seconds"]["train"] > 0
     curve.plot([point, point], tmp_path / "curve.png", k=2)
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_an_engine_share_lets_sizes_share_one_gpu(curve, tmp_path):
+    """``--engine-share``: every engine of a size takes that fraction, and each size running at
+    once leases the GPU through locks of its own."""
+    from draftflow.config import load_config
+    from draftflow.workflow.gpu import LOCK_DIR_ENV
+
+    workdir = curve.prepare_workdir(tmp_path, 640, 4000, 1024, engine_share=0.04)
+    config = load_config(
+        workdir / "config/config.yaml", workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY
+    )
+    assert config["corpus"]["regenerate"]["gpu_memory_utilization"] == 0.04
+    assert config["corpus"]["regenerate"]["max_tokens"] == 192  # the example's, kept
+    assert config["extract"]["gpu_memory_utilization"] == 0.04
+    assert config["bench"]["gpu_memory_utilization"] == 0.04
+    assert config["train"]["tokens_per_batch"] == 1024
+    assert curve.size_environment(workdir)[LOCK_DIR_ENV] == str(workdir / ".gpu-locks")
+
+
+def test_gpu_seconds_leave_out_the_wait_for_the_lease(curve, tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "train.log").write_text(
+        "2026-12-03 19:19:41,303 INFO datasets: ready\n"
+        "2026-12-03 19:19:41,966 INFO draftflow.workflow.gpu: waiting for 1 free GPU(s)\n"
+        "2026-12-03 19:20:09,303 INFO draftflow.workflow.gpu: leased GPU(s) 0\n"
+        "2026-12-03 19:22:00,000 INFO draftflow.train: done\n"
+    )
+    (tmp_path / "logs" / "vocab.log").write_text("2026-12-03 19:19:00,000 INFO vocab\n")
+    held = curve._gpu_seconds(tmp_path, {"train": 160.0, "vocab": 20.0})
+    assert held == {"train": 132.0}  # 28 s in the queue; vocab holds no GPU

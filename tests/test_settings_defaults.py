@@ -109,3 +109,21 @@ def test_the_default_config_builds_every_settings_class():
 def test_an_unknown_key_is_named():
     with pytest.raises(ValueError, match=r"unknown extract.verify settings \['fractoin'\]"):
         from_section(ExtractSettings, {"verify": {"fractoin": 0.5}}, "extract")
+
+
+def test_overlays_merge_as_snakemake_merges_configfiles(tmp_path):
+    """Nested sections merge key by key; a list or a value is replaced whole."""
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(
+        "corpus:\n  max_conversations: 7\n  regenerate:\n    max_tokens: 5\n"
+        "bench:\n  num_speculative_tokens: [4]\n"
+    )
+    base = load_config()
+    from draftflow.config import REPO as PACKAGE_REPO
+
+    merged = load_config(PACKAGE_REPO / "config" / "config.yaml", overlay)
+    assert merged["corpus"]["max_conversations"] == 7
+    assert merged["corpus"]["regenerate"]["max_tokens"] == 5
+    assert merged["corpus"]["regenerate"]["enabled"] == base["corpus"]["regenerate"]["enabled"]
+    assert merged["corpus"]["sources"] == base["corpus"]["sources"]
+    assert merged["bench"]["num_speculative_tokens"] == [4]

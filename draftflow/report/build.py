@@ -224,9 +224,13 @@ def render_markdown(
                 f"{r.dataset} k={r.k}: {r.num_requests_differ} request(s)"
                 for r in differing.itertuples()
             )
-            + ". See the bench CSV's `first_difference` column. In bf16 the verify pass"
-            " (k + 1 tokens at once) rounds differently from a plain decode step, so near-ties"
-            " between two tokens can flip; `bench.dtype: float32` checks the algorithm strictly.",
+            + ". See the bench CSV's `first_difference` column. The verify pass (k + 1 tokens"
+            " at once) rounds differently from a plain decode step, so near-ties between two"
+            " tokens can flip: in bf16, and on GPUs in float32 too (their kernels do not keep"
+            " float32's last bits). `studies/lossless_margins.py` recomputes the target's margin"
+            " at each difference in float64: a near-tie is a few hundredths of a logit, a"
+            " defect picks a token the target ranks far below its best. On the CPU build"
+            " `bench.dtype: float32` checks the algorithm strictly.",
         ]
 
     lines += ["", "## Where the time goes", ""]

@@ -237,6 +237,7 @@ def _bench(workdir: Path) -> dict[str, list[dict]]:
                 "acceptance_length": float(row["acceptance_length"]),
                 "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
                 "outputs_identical": row["outputs_identical"] == "True",
+                "lossless": row.get("lossless"),
                 "num_requests_differ": int(row["num_requests_differ"]),
                 "first_difference": row["first_difference"],
                 "speedup": float(row["speedup"]),

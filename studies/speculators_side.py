@@ -389,6 +389,7 @@ def bench_tables(directory: Path) -> dict[str, list[dict[str, Any]]]:
                     "acceptance_length": float(row["acceptance_length"]),
                     "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
                     "outputs_identical": row["outputs_identical"] == "True",
+                    "lossless": row.get("lossless"),
                 }
                 for row in csv.DictReader(handle)
                 if int(row["k"]) > 0

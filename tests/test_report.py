@@ -30,7 +30,9 @@ from draftflow.report.train_log import final_accuracy, last_step, read_train_log
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def bench_row(dataset, k, run, tokens_per_s, drafts=0, accepted_per_pos=(), identical=True):
+def bench_row(
+    dataset, k, run, tokens_per_s, drafts=0, accepted_per_pos=(), identical=True, near_ties=0
+):
     accepted = sum(accepted_per_pos)
     return {
         "dataset": dataset,
@@ -58,6 +60,8 @@ def bench_row(dataset, k, run, tokens_per_s, drafts=0, accepted_per_pos=(), iden
         "outputs_identical": identical,
         "num_requests_differ": 0 if identical else 1,
         "first_difference": "none" if identical else "mtbench-81: turn 1, token 7",
+        "num_near_ties": near_ties,
+        "lossless": "identical" if identical else ("near-ties only" if near_ties else "differs"),
     }
 
 
@@ -84,7 +88,16 @@ def bench_csv(tmp_path: Path) -> Path:
 def other_csv(tmp_path: Path) -> Path:
     rows = [
         bench_row("humaneval", 0, 0, 200.0),
-        bench_row("humaneval", 2, 0, 180.0, drafts=50, accepted_per_pos=[20, 5], identical=False),
+        bench_row(
+            "humaneval",
+            2,
+            0,
+            180.0,
+            drafts=50,
+            accepted_per_pos=[20, 5],
+            identical=False,
+            near_ties=1,
+        ),
     ]
     path = tmp_path / "humaneval.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
@@ -353,7 +366,8 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
     assert "Validation accuracy per draft position (last step): pos 1: 0.250" in markdown
     assert "Acceptance length these accuracies predict: k=1: 1.25, k=2: 1.37, k=3: 1.43" in markdown
     assert "| mtbench | 0 | 3 | 2.80 | 1.50 | True |" in markdown
-    assert "humaneval k=2: 1 request(s)" in markdown  # differing outputs are reported
+    # differing outputs are reported, with how many the plain target measured as near-ties
+    assert "humaneval k=2: 1 request(s) (1 near-tie(s))" in markdown
     assert "## Where the time goes" in markdown
     for name in [
         "acceptance_length",

@@ -161,11 +161,13 @@ def serve(request: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
     """Start one engine, warm it up, then time the units the driver asks for, one at a time.
 
     Every line on ``commands`` is ``{"dataset", "prompts": [ids]}`` (answered with the unit's
-    responses, seconds inside ``llm.chat`` and spec-decode counters) or ``{"stop": true}``.
+    responses, seconds inside ``llm.chat`` and spec-decode counters), ``{"margins": [...]}``
+    (differences to measure, ``draftflow.bench.margins``) or ``{"stop": true}``.
     The first line on ``replies`` says the engine is ready.
     """
     from vllm import SamplingParams
 
+    from draftflow.bench.margins import measure as measure_margin
     from draftflow.engine import start_engine
 
     prompt_sets: dict[str, list[dict[str, Any]]] = request["prompt_sets"]
@@ -185,6 +187,13 @@ def serve(request: dict[str, Any], commands: TextIO, replies: TextIO) -> None:
         command = json.loads(line)
         if command.get("stop"):
             break
+        if "margins" in command:
+            margins = [
+                measure_margin(llm, by_id[item["dataset"]][item["id"]], item)
+                for item in command["margins"]
+            ]
+            _reply(replies, {"margins": margins})
+            continue
         unit = [by_id[command["dataset"]][pid] for pid in command["prompts"]]
         before = _read_counters(llm)
         responses, elapsed = run_conversations(llm, unit, sampling)

@@ -112,6 +112,12 @@ class EngineProcess:
         )
         return reply["responses"], float(reply["elapsed_s"]), counters
 
+    def margins(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The plain target's margin at each difference (``draftflow.bench.margins``)."""
+        self.commands.write(json.dumps({"margins": items}) + "\n")
+        self.commands.flush()
+        return self._receive()["margins"]
+
     def close(self) -> None:
         """Ask the engine to stop; end its process if it doesn't within a minute."""
         try:

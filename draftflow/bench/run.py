@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.bench.engine import engine_kwargs
+from draftflow.bench.margins import find_differences
 from draftflow.bench.rounds import engine_processes, run_rounds
 from draftflow.bench.schedule import AUTO, SIDE_BY_SIDE, engine_schedule
 from draftflow.engine import engine_env
@@ -26,6 +27,34 @@ log = logging.getLogger(__name__)
 
 # The directory holding the draftflow package, so the engine process imports the same code.
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def measure_differences(
+    request: dict[str, Any],
+    runs: dict[int, list[dict[str, Any]]],
+    workdir: Path,
+    env: dict[str, str],
+) -> list[dict[str, Any]]:
+    """The plain target's margin at every greedy difference (``draftflow.bench.margins``), in
+    a plain engine started again after the timed rounds, so it costs the timings nothing; no
+    engine starts where nothing differs."""
+    if (
+        float(request["sampling"]["temperature"]) > 0
+        or not request.get("tie_margin")
+        or 0 not in runs
+    ):
+        return []
+    differences = find_differences(runs)
+    if not differences:
+        return []
+    log.info("measuring the plain target's margin at %d difference(s)", len(differences))
+    shared = {key: request[key] for key in ("sampling", "prompt_sets", "warmup_tokens")}
+    plain = {0: {**shared, "engine": request["engines"]["0"]}}
+    with (
+        tempfile.TemporaryDirectory(prefix="margins-", dir=workdir) as tmp,
+        engine_processes(plain, Path(tmp), env) as processes,
+    ):
+        return processes[0].margins(differences)
 
 
 def engine_environment(request: dict[str, Any], reserved_cpus: int | None) -> dict[str, str]:
@@ -54,6 +83,7 @@ def engine_request(
     warmup_tokens: int = 16,
     engine: dict[str, Any] | None = None,
     schedule: str = AUTO,
+    tie_margin: float = 0.0,
 ) -> dict[str, Any]:
     """The request ``draftflow.bench.engine`` runs: one engine per k in ``ks``, identical but
     for the draft, alive at once or one at a time (``schedule``, resolved here)."""
@@ -78,6 +108,8 @@ def engine_request(
         },
         "prompt_sets": prompt_sets,
         "repeats": repeats,
+        # Greedy differences within this many logits are near-ties (0: not measured).
+        "tie_margin": tie_margin,
         "warmup_tokens": warmup_tokens,
     }
 
@@ -98,6 +130,7 @@ def request_settings(
         "repeats": bench["repeats"],
         "warmup_tokens": bench["warmup_tokens"],
         "schedule": bench["schedule"],
+        "tie_margin": bench["tie_margin"],
         "engine": {
             "max_model_len": bench["max_model_len"],
             "max_num_seqs": bench["max_num_seqs"],
@@ -142,6 +175,7 @@ def run_engines(
             runs.update(
                 run_rounds(processes, request["prompt_sets"], int(request["repeats"]), max_num_seqs)
             )
+    margins = measure_differences(request, runs, Path(workdir), env)
     results = {}
     for k in ks:
         result = {
@@ -150,6 +184,8 @@ def run_engines(
             "schedule": schedule,
             "runs": runs[k],
             "k": k,
+            "tie_margin": request.get("tie_margin", 0.0),
+            "margins": margins,
         }
         paths[k].parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(paths[k], result)

@@ -5,7 +5,9 @@ Columns are listed in ``CSV_COLUMNS``. ``accepted_per_pos`` holds the raw per-po
 counts and ``acceptance_per_pos`` the same divided by the number of drafts, both as JSON lists.
 The speed-up divides a run's throughput by the plain target's mean throughput over its runs.
 Under greedy decoding every run is compared token by token with the plain target's first run;
-differing requests are counted and the first one named (``first_difference``).
+differing requests are counted and the first one named (``first_difference``); those the
+plain target measured as near-ties (``draftflow.bench.margins``, ``bench.tie_margin``) are
+counted in ``num_near_ties``, and ``lossless`` says "identical", "near-ties only" or "differs".
 
 Units (``results/bench/{dataset}/units.csv``): one row per (k, run, unit), a unit being the
 conversations the engines timed one after the other (``draftflow.bench.engine``); its columns
@@ -24,6 +26,7 @@ import pandas as pd
 
 from draftflow.bench.counters import SpecCounters
 from draftflow.bench.lossless import compare_runs
+from draftflow.bench.margins import count_near_ties, verdict
 from draftflow.bench.stats import QUANTITIES
 from draftflow.io import atomic_path
 
@@ -62,6 +65,8 @@ CSV_COLUMNS = [
     "outputs_identical",
     "num_requests_differ",
     "first_difference",
+    "num_near_ties",
+    "lossless",
 ]
 
 
@@ -132,15 +137,23 @@ def write_dataset_results(
 
     # Losslessness: only greedy decoding promises the same tokens.
     reference = _token_ids(by_k[0][0])
-    identical, differ, first = [], [], []
+    margins = results[0].get("margins", [])
+    tie_margin = float(results[0].get("tie_margin", 0.0))
+    identical, differ, first, ties, lossless = [], [], [], [], []
     for k in sorted(by_k):
         for run in by_k[k]:
             if temperature > 0:
                 identical.append(None)
                 differ.append(None)
                 first.append("not checked (sampled)")
+                ties.append(None)
+                lossless.append("not checked (sampled)")
                 continue
-            differences = compare_runs(reference, _token_ids(run))
+            candidate = _token_ids(run)
+            differences = compare_runs(reference, candidate)
+            near = count_near_ties(dataset, differences, reference, candidate, margins, tie_margin)
+            ties.append(near)
+            lossless.append(verdict(len(differences), near))
             for difference in differences:
                 log.warning(
                     "%s: k=%d run %d differs from the plain target at %s",
@@ -155,6 +168,8 @@ def write_dataset_results(
     table["outputs_identical"] = identical
     table["num_requests_differ"] = differ
     table["first_difference"] = first
+    table["num_near_ties"] = ties
+    table["lossless"] = lossless
     table = table[CSV_COLUMNS]
     with atomic_path(out_csv) as tmp_csv:
         table.to_csv(tmp_csv, index=False)

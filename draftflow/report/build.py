@@ -44,6 +44,12 @@ class ReportPaths:
     train_accuracy: str | Path
 
 
+def _ties(row: Any) -> str:
+    """How many of a configuration's differences the plain target measured as near-ties."""
+    ties = getattr(row, "num_near_ties", None)
+    return "" if ties is None or pd.isna(ties) else f" ({int(ties)} near-tie(s))"
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -221,14 +227,14 @@ def render_markdown(
             "",
             "**Outputs differ from the plain target (greedy):** "
             + ", ".join(
-                f"{r.dataset} k={r.k}: {r.num_requests_differ} request(s)"
+                f"{r.dataset} k={r.k}: {r.num_requests_differ} request(s)" + _ties(r)
                 for r in differing.itertuples()
             )
-            + ". See the bench CSV's `first_difference` column. The verify pass (k + 1 tokens"
-            " at once) rounds differently from a plain decode step, so near-ties between two"
-            " tokens can flip: in bf16, and on GPUs in float32 too (their kernels do not keep"
-            " float32's last bits). `studies/lossless_margins.py` recomputes the target's margin"
-            " at each difference in float64: a near-tie is a few hundredths of a logit, a"
+            + ". See the bench CSV's `first_difference` and `lossless` columns. The verify pass"
+            " (k + 1 tokens at once) rounds differently from a plain decode step, so near-ties"
+            " between two tokens can flip: in bf16, and on GPUs in float32 too (their kernels do"
+            " not keep float32's last bits). The plain target measured its own margin at each"
+            " difference (`bench.tie_margin`): a near-tie is a few hundredths of a logit, a"
             " defect picks a token the target ranks far below its best. On the CPU build"
             " `bench.dtype: float32` checks the algorithm strictly.",
         ]

@@ -25,6 +25,14 @@ from draftflow.bench.stats import Grid, Interval, Verdict, best_or_tie, interval
 WITH_INTERVALS = ("acceptance_length", "tokens_per_s", "tpot_ms", "speedup")
 
 
+def _near_ties(group: pd.DataFrame) -> int | None:
+    """Near-ties among the differing requests of the run with the most (greedy runs with their
+    margins measured; tables older than the column have none)."""
+    if "num_near_ties" not in group or group["num_near_ties"].isna().any():
+        return None
+    return int(group["num_near_ties"].max())
+
+
 def _bounded(name: str) -> list[str]:
     return [name, f"{name}_low", f"{name}_high"] if name in WITH_INTERVALS else [name]
 
@@ -42,6 +50,7 @@ SUMMARY_COLUMNS = [
     "step_cost",
     "outputs_identical",
     "num_requests_differ",
+    "num_near_ties",
     "num_requests",
     "num_units",
     "num_runs",
@@ -149,6 +158,7 @@ def summarise(
                 "num_requests_differ": int(group["num_requests_differ"].max())
                 if identical.notna().all()
                 else None,
+                "num_near_ties": _near_ties(group),
                 "num_requests": int(group["num_requests"].iloc[0]),
                 "num_units": None,
                 "num_runs": len(group),

@@ -227,26 +227,9 @@ def _last_val(workdir: Path) -> dict:
 
 def _bench(workdir: Path) -> dict[str, list[dict]]:
     """Per dataset, one row per k: τ, acceptance per position and the lossless check."""
-    tables = {}
-    for path in sorted((workdir / "results" / "bench").glob("*.csv")):
-        with path.open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
-        tables[path.stem] = [
-            {
-                "k": int(row["k"]),
-                "acceptance_length": float(row["acceptance_length"]),
-                "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
-                "outputs_identical": row["outputs_identical"] == "True",
-                "lossless": row.get("lossless"),
-                "num_requests_differ": int(row["num_requests_differ"]),
-                "first_difference": row["first_difference"],
-                "speedup": float(row["speedup"]),
-                "num_drafts": int(float(row["num_drafts"])),
-            }
-            for row in rows
-            if int(row["k"]) > 0
-        ]
-    return tables
+    from draftflow.bench.tables import read_speculative_rows
+
+    return read_speculative_rows(workdir / "results" / "bench")
 
 
 def collect_point(workdir: Path) -> dict:

@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import json
 import os
@@ -360,6 +359,7 @@ class Stages:
         atomic_write_json(done, {"draft": draft, "datasets": names})
 
     def summary(self) -> dict[str, Any]:
+        from draftflow.bench.tables import read_speculative_rows
         from draftflow.io import atomic_write_json, read_json
 
         summary: dict[str, Any] = {
@@ -372,29 +372,10 @@ class Stages:
             if (bench / "done.json").exists():
                 summary["recipes"][recipe] = {
                     "train_arguments": train_arguments(recipe, self.config),
-                    "bench": bench_tables(bench),
+                    "bench": read_speculative_rows(bench),
                 }
         atomic_write_json(self.out / "summary.json", summary)
         return summary
-
-
-def bench_tables(directory: Path) -> dict[str, list[dict[str, Any]]]:
-    """τ and acceptance per position for each prompt set and k > 0 (the bench's CSV tables)."""
-    tables = {}
-    for path in sorted(directory.glob("*.csv")):
-        with path.open(newline="") as handle:
-            tables[path.stem] = [
-                {
-                    "k": int(row["k"]),
-                    "acceptance_length": float(row["acceptance_length"]),
-                    "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
-                    "outputs_identical": row["outputs_identical"] == "True",
-                    "lossless": row.get("lossless"),
-                }
-                for row in csv.DictReader(handle)
-                if int(row["k"]) > 0
-            ]
-    return tables
 
 
 def run(args: argparse.Namespace) -> None:

@@ -7,12 +7,11 @@ the same position, and a token the target ranks low must come out far from a tie
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from study_support import load_study
 
 from draftflow.bench.lossless import compare_runs
 from draftflow.bench.margins import (
@@ -22,8 +21,6 @@ from draftflow.bench.margins import (
     verdict,
 )
 from draftflow.bench.tables import write_dataset_results
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(k: int, tokens: dict[str, list[list[int]]], dataset: str = "d") -> dict:
@@ -156,12 +153,7 @@ def test_the_tiny_bench_records_its_check(tiny_pipeline):
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location(
-        "lossless_margins", REPO / "studies/lossless_margins.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("lossless_margins")
 
 
 def test_a_plain_engine_measures_planted_differences(study, tiny_pipeline, tmp_path):

@@ -9,23 +9,15 @@ template, earlier turns, generation prompt).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from study_support import load_study
 
 
 @pytest.fixture(scope="module")
 def margins_study():
-    spec = importlib.util.spec_from_file_location(
-        "lossless_margins", REPO / "studies/lossless_margins.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("lossless_margins")
 
 
 def test_a_planted_difference_is_measured_against_the_target(

@@ -9,12 +9,12 @@ trainer; tests/gpu/ and docs/benchmarks.md cover those.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from study_support import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ("config/config.yaml",)  # the tiny workflow writes its config there
@@ -22,12 +22,7 @@ TINY_CONFIG = ("config/config.yaml",)  # the tiny workflow writes its config the
 
 @pytest.fixture(scope="module")
 def side():
-    spec = importlib.util.spec_from_file_location(
-        "speculators_side", REPO / "studies/speculators_side.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("speculators_side")
 
 
 def test_conversations_are_the_train_split(side, tiny_pipeline, tmp_path):

@@ -222,3 +222,27 @@ def write_units(path: str | Path, dataset: str, runs_by_k: dict[int, list[dict[s
         )
     with atomic_path(path) as tmp:
         table.to_csv(tmp, index=False)
+
+
+def read_speculative_rows(directory: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """Per prompt set (each ``{dataset}.csv`` in ``directory``), one row per speculative run:
+    τ, acceptance per position, the lossless check and the speed-up (for the studies)."""
+    tables = {}
+    for path in sorted(Path(directory).glob("*.csv")):
+        rows = pd.read_csv(path, keep_default_na=False)
+        tables[path.stem] = [
+            {
+                "k": int(row["k"]),
+                "acceptance_length": float(row["acceptance_length"]),
+                "acceptance_per_pos": json.loads(row["acceptance_per_pos"]),
+                "outputs_identical": str(row["outputs_identical"]) == "True",
+                "lossless": row.get("lossless"),
+                "num_requests_differ": int(row["num_requests_differ"]),
+                "first_difference": row["first_difference"],
+                "speedup": float(row["speedup"]),
+                "num_drafts": int(float(row["num_drafts"])),
+            }
+            for row in rows.to_dict("records")
+            if int(row["k"]) > 0
+        ]
+    return tables

@@ -119,6 +119,7 @@ BENCH_SETTINGS = (
     "gpu_memory_utilization",
     "kv_cache_memory_bytes",
     "schedule",
+    "starts",
     "tie_margin",
     "reserved_cpus",
     "engine_args",

@@ -17,7 +17,8 @@ Subcommands::
 
     python studies/quality_curve.py run --work W --sizes 6000 12000 24000   # on the GPU node
     python studies/quality_curve.py run --work W --sizes 640 1280 2560 --parallel \
-        --engine-share 0.04                # every size at once on one GPU, 0.04 of it per engine
+        --engine-share 0.04 --engine-kv-gib 2  # every size at once on one GPU, 0.04 of it and
+                                               # a 2 GiB KV cache per engine
     python studies/quality_curve.py collect --work W --out docs/results/quality-curve.json \\
         --plot docs/quality-curve.png
 
@@ -53,10 +54,13 @@ def overlay(
     per_shard: int,
     tokens_per_batch: int = TOKENS_PER_BATCH,
     engine_share: float | None = None,
+    engine_kv_gib: float | None = None,
 ) -> dict:
     """The settings one size of the curve puts over the base config; ``engine_share``: the
     fraction of the GPU each vLLM engine takes (regenerate, extract, each bench engine), so that
-    several sizes can run on one GPU at once."""
+    several sizes can run on one GPU at once; ``engine_kv_gib``: each engine's KV cache in GiB,
+    so that no engine sizes it by profiling the memory that the other sizes' engines change
+    (vLLM stops then), and the bench's engines can start together."""
     settings = {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
@@ -89,6 +93,12 @@ def overlay(
         settings["corpus"]["regenerate"] = {"gpu_memory_utilization": engine_share}
         settings["extract"]["gpu_memory_utilization"] = engine_share
         settings["bench"]["gpu_memory_utilization"] = engine_share
+    if engine_kv_gib is not None:
+        kv_bytes = int(engine_kv_gib * 2**30)
+        settings["corpus"].setdefault("regenerate", {})["kv_cache_memory_bytes"] = kv_bytes
+        settings["extract"]["kv_cache_memory_bytes"] = kv_bytes
+        settings["bench"]["kv_cache_memory_bytes"] = kv_bytes
+        settings["bench"]["starts"] = "together"
     return settings
 
 
@@ -98,6 +108,7 @@ def prepare_workdir(
     per_shard: int,
     tokens_per_batch: int = TOKENS_PER_BATCH,
     engine_share: float | None = None,
+    engine_kv_gib: float | None = None,
 ) -> Path:
     """``work/<conversations>``: the workflow's files and the size's config overlay."""
     import yaml
@@ -111,7 +122,7 @@ def prepare_workdir(
             shutil.copytree(source, workdir / part, ignore=ignore, dirs_exist_ok=True)
         else:
             shutil.copy2(source, workdir / part)
-    settings = overlay(conversations, per_shard, tokens_per_batch, engine_share)
+    settings = overlay(conversations, per_shard, tokens_per_batch, engine_share, engine_kv_gib)
     text = yaml.safe_dump(settings, sort_keys=False)
     (workdir / OVERLAY).write_text(text, encoding="utf-8")
     return workdir
@@ -137,6 +148,7 @@ def run(args: argparse.Namespace) -> None:
             args.conversations_per_shard,
             args.tokens_per_batch,
             args.engine_share,
+            args.engine_kv_gib,
         )
         command = [
             sys.executable,
@@ -313,6 +325,12 @@ def main(argv: list[str] | None = None) -> None:
         "--engine-share",
         type=float,
         help="fraction of the GPU each vLLM engine takes (default: the example's)",
+    )
+    run_parser.add_argument(
+        "--engine-kv-gib",
+        type=float,
+        help="each vLLM engine's KV cache in GiB (default: sized from its share); the bench's "
+        "engines then start together",
     )
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
     collect_parser = sub.add_parser("collect")

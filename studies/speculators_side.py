@@ -238,12 +238,15 @@ class Stages:
         port: int,
         gpus: int,
         config_files: tuple[str, ...] = CONFIG_FILES,
+        ks: list[int] | None = None,
     ) -> None:
         self.workdir = workdir.resolve()
         self.out = out.resolve()
         self.port = port
         self.gpus = gpus
         self.config = workdir_config(self.workdir, config_files)
+        # The k to bench: the workdir's own unless given (fewer engines where GPU time is short).
+        self.ks = ks or [int(k) for k in self.config["bench"]["num_speculative_tokens"]]
         self.target = self.workdir / TARGET
         self.seconds_path = self.out / "stage_seconds.json"
         # A user's config turns remote code on; speculators' commands then need it too.
@@ -351,7 +354,7 @@ class Stages:
             prompt_sets={name: read_prompts(prompts / f"{name}.jsonl") for name in names},
             target=str(self.target),
             draft=draft,
-            ks=[int(k) for k in bench["num_speculative_tokens"]],
+            ks=self.ks,
             out_dir=self.out / recipe / "bench",
             reserved_cpus=bench["reserved_cpus"],
             **request_settings(bench, dtype=bench["dtype"] or self.config["target"]["dtype"]),
@@ -379,7 +382,9 @@ class Stages:
 
 
 def run(args: argparse.Namespace) -> None:
-    stages = Stages(args.workdir, args.out, args.port, args.gpus, tuple(args.configfiles))
+    stages = Stages(
+        args.workdir, args.out, args.port, args.gpus, tuple(args.configfiles), args.ks
+    )
     stages.conversations()
     stages.data()
     for recipe in args.recipes:
@@ -403,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     run_parser.add_argument("--port", type=int, default=8765)
     run_parser.add_argument("--gpus", type=int, default=1, help="torchrun processes for training")
+    run_parser.add_argument(
+        "--ks", type=int, nargs="+", help="the k to bench (default: the workdir's bench k)"
+    )
     args = parser.parse_args(argv)
     {"run": run}[args.command](args)
 

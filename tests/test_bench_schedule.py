@@ -11,10 +11,13 @@ import pytest
 from workflow_support import copy_workflow, run_snakemake, tiny_config, write_config
 
 from draftflow.bench.schedule import (
+    IN_TURN,
     ONE_AT_A_TIME,
     SIDE_BY_SIDE,
+    TOGETHER,
     bench_schedule,
     engine_schedule,
+    engine_starts,
 )
 from draftflow.config import load_config
 
@@ -44,6 +47,19 @@ def test_side_by_side_that_cannot_fit_is_refused_with_what_would():
     assert "at most 0.150" in message and "one_at_a_time" in message
     with pytest.raises(ValueError, match="must be one of"):
         engine_schedule("sometimes", 2, 0.1, None)
+
+
+def test_starting_together_needs_each_engines_kv_cache_in_bytes():
+    assert engine_starts(IN_TURN, None) == IN_TURN
+    assert engine_starts(TOGETHER, 64 << 20) == TOGETHER
+    with pytest.raises(ValueError, match="needs bench.kv_cache_memory_bytes"):
+        engine_starts(TOGETHER, None)
+    with pytest.raises(ValueError, match="must be one of"):
+        engine_starts("at_once", 64 << 20)
+    bench = load_config(REPO / "config/config.yaml")["bench"]
+    assert bench["starts"] == IN_TURN  # the 2-core demo: starts don't compete for its cores
+    with pytest.raises(ValueError, match="needs bench.kv_cache_memory_bytes"):
+        bench_schedule({**bench, "starts": TOGETHER, "kv_cache_memory_bytes": None})
 
 
 @pytest.mark.parametrize(
@@ -118,4 +134,32 @@ def test_engines_one_at_a_time_on_the_tiny_workflow(tiny_pipeline, tmp_path, cap
     assert {pid: [r["token_ids"] for r in turns] for pid, turns in plain.items()} == {
         pid: [r["token_ids"] for r in turns] for pid, turns in drafted.items()
     }
+    assert results[1]["runs"][0]["num_drafts"] > 0
+
+
+@pytest.mark.vllm
+def test_engines_started_together_on_the_tiny_workflow(tiny_pipeline, tmp_path, caplog):
+    """bench.starts together: k = 0 and k = 1 both start before either is ready, then are
+    timed side by side as usual."""
+    from draftflow.bench.run import engine_request, run_engines
+
+    request = engine_request(
+        str(tiny_pipeline / "resources" / "target"),
+        str(tiny_pipeline / "results" / "train" / "draft"),
+        [0, 1],
+        {"set": [{"id": "a", "turns": ["Name three colours."]}]},
+        max_tokens=8,
+        engine={"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20},
+        starts=TOGETHER,
+    )
+    with caplog.at_level(logging.INFO, logger="draftflow.bench"):
+        results = run_engines(request, {k: tmp_path / f"k{k}.json" for k in (0, 1)})
+    events = [
+        record.getMessage()
+        for record in caplog.records
+        if record.getMessage().startswith(("starting engine", "engine k="))
+    ]
+    assert events[:2] == ["starting engine k=0", "starting engine k=1"], events
+    assert sorted(events[2:4]) == ["engine k=0 ready", "engine k=1 ready"], events
+    assert results[1]["schedule"] == SIDE_BY_SIDE
     assert results[1]["runs"][0]["num_drafts"] > 0

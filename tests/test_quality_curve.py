@@ -76,6 +76,25 @@ def test_an_engine_share_lets_sizes_share_one_gpu(curve, tmp_path):
     assert config["bench"]["gpu_memory_utilization"] == 0.04
     assert config["train"]["tokens_per_batch"] == 1024
     assert curve.size_environment(workdir)[LOCK_DIR_ENV] == str(workdir / ".gpu-locks")
+    assert config["bench"]["kv_cache_memory_bytes"] is None
+    assert config["bench"]["starts"] == "in_turn"
+
+
+def test_a_kv_size_starts_the_bench_engines_together(curve, tmp_path):
+    """``--engine-kv-gib``: no engine profiles the memory that the other sizes change, and the
+    bench's six engines start at once."""
+    from draftflow.bench.schedule import TOGETHER, bench_schedule
+    from draftflow.config import load_config
+
+    workdir = curve.prepare_workdir(tmp_path, 640, 4000, 1024, 0.04, engine_kv_gib=2)
+    config = load_config(
+        workdir / "config/config.yaml", workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY
+    )
+    for section in (config["corpus"]["regenerate"], config["extract"], config["bench"]):
+        assert section["kv_cache_memory_bytes"] == 2 * 2**30
+    assert config["corpus"]["regenerate"]["gpu_memory_utilization"] == 0.04
+    assert config["bench"]["starts"] == TOGETHER
+    assert bench_schedule(config["bench"]) == "side_by_side"
 
 
 def test_gpu_seconds_leave_out_the_wait_for_the_lease(curve, tmp_path):

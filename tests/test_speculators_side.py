@@ -125,6 +125,8 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     from draftflow.capture.layers import capture_layers
 
     stages = side.Stages(tiny_pipeline, tmp_path / "side", 8997, 1, TINY_CONFIG)
+    assert stages.ks == [int(k) for k in stages.config["bench"]["num_speculative_tokens"]]
+    assert side.Stages(tiny_pipeline, tmp_path / "k3", 8997, 1, TINY_CONFIG, [3]).ks == [3]
     stages.conversations()
     extract = stages.config["extract"]
     command = side.server_command(

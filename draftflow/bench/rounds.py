@@ -97,6 +97,7 @@ class EngineProcess:
     def wait_ready(self) -> None:
         if not self._receive().get("ready"):
             raise RuntimeError(f"benchmark engine k={self.k} did not report ready")
+        log.info("engine k=%d ready", self.k)
 
     def measure(self, dataset: str, unit: list[dict[str, Any]]) -> Measurement:
         self.commands.write(json.dumps({"dataset": dataset, "prompts": [p["id"] for p in unit]}))
@@ -137,10 +138,13 @@ class EngineProcess:
 
 @contextmanager
 def engine_processes(
-    requests: dict[int, dict[str, Any]], workdir: Path, env: dict[str, str]
+    requests: dict[int, dict[str, Any]],
+    workdir: Path,
+    env: dict[str, str],
+    together: bool = False,
 ) -> Iterator[dict[int, EngineProcess]]:
     """Start every engine, one after the other (each waits until the last is ready, so starts
-    don't compete for the cores), and stop them all at the end."""
+    don't compete for the cores) or all at once (``together``), and stop them all at the end."""
     with ExitStack() as stack:
         engines = {}
         for k, request in sorted(requests.items()):
@@ -149,8 +153,12 @@ def engine_processes(
             log.info("starting engine k=%d", k)
             engine = EngineProcess(k, path, env)
             stack.callback(engine.close)
-            engine.wait_ready()
+            if not together:
+                engine.wait_ready()
             engines[k] = engine
+        if together:
+            for engine in engines.values():
+                engine.wait_ready()
         yield engines
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from draftflow.bench.engine import engine_kwargs
 from draftflow.bench.margins import find_differences
 from draftflow.bench.rounds import engine_processes, run_rounds
-from draftflow.bench.schedule import AUTO, SIDE_BY_SIDE, engine_schedule
+from draftflow.bench.schedule import AUTO, IN_TURN, SIDE_BY_SIDE, TOGETHER, engine_schedule, engine_starts
 from draftflow.engine import engine_env
 from draftflow.io import atomic_write_json
 
@@ -83,6 +83,7 @@ def engine_request(
     warmup_tokens: int = 16,
     engine: dict[str, Any] | None = None,
     schedule: str = AUTO,
+    starts: str = IN_TURN,
     tie_margin: float = 0.0,
 ) -> dict[str, Any]:
     """The request ``draftflow.bench.engine`` runs: one engine per k in ``ks``, identical but
@@ -97,6 +98,7 @@ def engine_request(
             engine.get("gpu_memory_utilization"),
             engine.get("kv_cache_memory_bytes"),
         ),
+        "starts": engine_starts(starts, engine.get("kv_cache_memory_bytes")),
         "engines": {
             str(k): engine_kwargs(target, draft if k else None, k, **engine) for k in sorted(ks)
         },
@@ -130,6 +132,7 @@ def request_settings(
         "repeats": bench["repeats"],
         "warmup_tokens": bench["warmup_tokens"],
         "schedule": bench["schedule"],
+        "starts": bench["starts"],
         "tie_margin": bench["tie_margin"],
         "engine": {
             "max_model_len": bench["max_model_len"],
@@ -169,7 +172,10 @@ def run_engines(
         with (
             tempfile.TemporaryDirectory(prefix="bench-", dir=workdir) as tmp,
             engine_processes(
-                {k: {**shared, "engine": engines[k]} for k in group}, Path(tmp), env
+                {k: {**shared, "engine": engines[k]} for k in group},
+                Path(tmp),
+                env,
+                together=request.get("starts", IN_TURN) == TOGETHER,
             ) as processes,
         ):
             runs.update(

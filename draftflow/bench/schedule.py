@@ -17,6 +17,11 @@ SIDE_BY_SIDE = "side_by_side"
 ONE_AT_A_TIME = "one_at_a_time"
 AUTO = "auto"
 SCHEDULES = (AUTO, SIDE_BY_SIDE, ONE_AT_A_TIME)
+# How the engines alive at once start: each waits for the last to be ready (starts don't compete
+# for the cores), or all at once (a GPU host's spare cores take the imports and compiles).
+IN_TURN = "in_turn"
+TOGETHER = "together"
+STARTS = (IN_TURN, TOGETHER)
 # The most of the memory the engines' shares may take together: vLLM also needs room outside
 # its share (each engine's CUDA context or process, the bench's own process).
 MAX_SHARED = 0.9
@@ -51,10 +56,27 @@ def engine_schedule(
 
 
 def bench_schedule(bench: dict[str, Any]) -> str:
-    """The schedule of the config's validated ``bench:`` section (the plain target counts)."""
+    """The schedule of the config's validated ``bench:`` section (the plain target counts);
+    its ``starts`` checked too, so that a config that cannot run stops at start."""
+    engine_starts(bench.get("starts", IN_TURN), bench.get("kv_cache_memory_bytes"))
     return engine_schedule(
         bench.get("schedule", AUTO),
         1 + len(bench["num_speculative_tokens"]),
         bench.get("gpu_memory_utilization"),
         bench.get("kv_cache_memory_bytes"),
     )
+
+
+def engine_starts(starts: str, kv_cache_memory_bytes: int | None) -> str:
+    """``in_turn`` or ``together``, checked: vLLM sizes a GPU engine's KV cache by profiling
+    the device's free memory, which engines starting beside it change (vLLM then stops with
+    "Error in memory profiling"), so starting together needs each engine's KV cache in bytes."""
+    if starts not in STARTS:
+        raise ValueError(f"bench.starts must be one of {STARTS}, got {starts!r}")
+    if starts == TOGETHER and kv_cache_memory_bytes is None:
+        raise ValueError(
+            f"bench.starts: {TOGETHER} needs bench.kv_cache_memory_bytes: vLLM sizes a GPU "
+            "engine's KV cache by profiling free memory, which engines starting beside it "
+            f"change. Set bench.kv_cache_memory_bytes, or bench.starts: {IN_TURN}."
+        )
+    return starts

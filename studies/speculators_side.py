@@ -382,9 +382,7 @@ class Stages:
 
 
 def run(args: argparse.Namespace) -> None:
-    stages = Stages(
-        args.workdir, args.out, args.port, args.gpus, tuple(args.configfiles), args.ks
-    )
+    stages = Stages(args.workdir, args.out, args.port, args.gpus, tuple(args.configfiles), args.ks)
     stages.conversations()
     stages.data()
     for recipe in args.recipes:

@@ -52,13 +52,13 @@ def test_side_by_side_that_cannot_fit_is_refused_with_what_would():
 def test_starting_together_needs_each_engines_kv_cache_in_bytes():
     assert engine_starts(IN_TURN, None) == IN_TURN
     assert engine_starts(TOGETHER, 64 << 20) == TOGETHER
-    with pytest.raises(ValueError, match="needs bench.kv_cache_memory_bytes"):
+    with pytest.raises(ValueError, match=r"needs bench\.kv_cache_memory_bytes"):
         engine_starts(TOGETHER, None)
     with pytest.raises(ValueError, match="must be one of"):
         engine_starts("at_once", 64 << 20)
     bench = load_config(REPO / "config/config.yaml")["bench"]
     assert bench["starts"] == IN_TURN  # the 2-core demo: starts don't compete for its cores
-    with pytest.raises(ValueError, match="needs bench.kv_cache_memory_bytes"):
+    with pytest.raises(ValueError, match=r"needs bench\.kv_cache_memory_bytes"):
         bench_schedule({**bench, "starts": TOGETHER, "kv_cache_memory_bytes": None})
 
 

@@ -19,7 +19,14 @@ from typing import Any
 from draftflow.bench.engine import engine_kwargs
 from draftflow.bench.margins import find_differences
 from draftflow.bench.rounds import engine_processes, run_rounds
-from draftflow.bench.schedule import AUTO, IN_TURN, SIDE_BY_SIDE, TOGETHER, engine_schedule, engine_starts
+from draftflow.bench.schedule import (
+    AUTO,
+    IN_TURN,
+    SIDE_BY_SIDE,
+    TOGETHER,
+    engine_schedule,
+    engine_starts,
+)
 from draftflow.engine import engine_env
 from draftflow.io import atomic_write_json
 

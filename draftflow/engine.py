@@ -146,9 +146,11 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments shared by every stage.
 
-    KV cache: ``kv_cache_memory_bytes`` (an exact size) wins over ``gpu_memory_utilization``; only
-    one of them is passed. On the CPU build the utilization is a share of RAM that must also
-    hold the weights, so an exact size is steadier on a shared machine. ``enforce_eager``: no
+    KV cache: ``kv_cache_memory_bytes`` (an exact size) wins over ``gpu_memory_utilization``. On
+    the CPU build the utilization is a share of RAM that must also hold the weights, so an exact
+    size is steadier on a shared machine. Both are passed where both are given: a GPU engine
+    still checks at start that the utilization's share of the device is free (vLLM's own default
+    is 0.92, which fails wherever another engine shares the GPU). ``enforce_eager``: no
     graph capture (faster start; forward hooks need it). ``extra``: further ``vllm.LLM``
     arguments from the config, applied last.
     """
@@ -165,7 +167,7 @@ def engine_kwargs(
     }
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-    else:
+    if gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
     if tensor_parallel_size > 1:  # the target sharded over the job's GPUs
         kwargs["tensor_parallel_size"] = int(tensor_parallel_size)

@@ -139,13 +139,20 @@ def server_command(
 
 
 @contextmanager
-def vllm_server(command: list[str], port: int, log_path: Path) -> Iterator[str]:
-    """The server running until the block ends; its base URL. A server that exits before it
-    answers /health raises with the end of its log."""
+def vllm_server(
+    command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """The server running until the block ends, with ``env`` over this process's environment;
+    its base URL. A server that exits before it answers /health raises with the end of its
+    log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -276,6 +283,7 @@ class Stages:
 
     def _data(self) -> None:
         from draftflow.capture.layers import capture_layers
+        from draftflow.engine import engine_env
         from draftflow.io import atomic_write_json
 
         layers = capture_layers(self.target, self.config["extract"]["aux_layers"]).layer_ids
@@ -289,7 +297,9 @@ class Stages:
         cache = self.out / "server_cache"
         hidden = self.out / "hidden_states"
         command = server_command(self.target, cache, layers, self.port, engine)
-        with vllm_server(command, self.port, self.out / "logs" / "server.log") as url:
+        # draftflow's engines' environment: on GPUs without flashinfer, vLLM's own sampler.
+        env = engine_env(reserved_cpus=extract["reserved_cpus"])
+        with vllm_server(command, self.port, self.out / "logs" / "server.log", env) as url:
             speculators_cli(
                 "prepare-data",
                 "--model", str(self.target),

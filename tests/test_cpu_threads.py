@@ -44,13 +44,17 @@ def test_engine_env_per_platform():
         engine_env(model_runner="v3")
 
 
-def test_engine_kwargs_take_one_kv_cache_rule():
+def test_engine_kwargs_keep_the_share_beside_an_exact_kv_cache():
+    """The exact size sizes the cache; the share stays, since a GPU engine checks at start that
+    it is free (vLLM's own default, 0.92, failed every engine sharing the H200)."""
     from draftflow.engine import engine_kwargs
 
     exact = engine_kwargs(
         "m", max_model_len=64, kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5
     )
-    assert exact["kv_cache_memory_bytes"] == 1 << 20 and "gpu_memory_utilization" not in exact
+    assert exact["kv_cache_memory_bytes"] == 1 << 20 and exact["gpu_memory_utilization"] == 0.5
+    bytes_only = engine_kwargs("m", max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    assert "gpu_memory_utilization" not in bytes_only
     share = engine_kwargs("m", max_model_len=64, gpu_memory_utilization=0.5)
     assert share["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in share
     assert "tensor_parallel_size" not in share

@@ -123,6 +123,7 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     from transformers import AutoTokenizer
 
     from draftflow.capture.layers import capture_layers
+    from draftflow.engine import engine_env
 
     stages = side.Stages(tiny_pipeline, tmp_path / "side", 8997, 1, TINY_CONFIG)
     assert stages.ks == [int(k) for k in stages.config["bench"]["num_speculative_tokens"]]
@@ -141,7 +142,8 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
         },
     )
     data = tmp_path / "side" / "data"
-    with side.vllm_server(command, 8997, tmp_path / "server.log") as url:
+    env = engine_env(reserved_cpus=extract["reserved_cpus"])  # as the data stage starts it
+    with side.vllm_server(command, 8997, tmp_path / "server.log", env) as url:
         side.speculators_cli(
             "prepare-data",
             "--model", str(stages.target),

@@ -21,6 +21,7 @@ Subcommands::
                                                # a 2 GiB KV cache per engine
     python studies/quality_curve.py collect --work W --out docs/results/quality-curve.json \\
         --plot docs/quality-curve.png
+    python studies/quality_curve.py plot --json A.json B.json --out curve.png   # runs together
 
 ``run`` can be stopped at any time and called again: Snakemake reruns only what is missing.
 ``collect`` reads each finished workdir (train tokens, val accuracy per position, τ and
@@ -261,8 +262,9 @@ def plot(points: list[dict], path: Path, k: int = 3) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     tokens = [point["train_tokens"] / 1e6 for point in points]
     for dataset in sorted({name for point in points for name in point["bench"]}):
         benched = [point for point in points if dataset in point["bench"]]
@@ -280,6 +282,10 @@ def plot(points: list[dict], path: Path, k: int = 3) -> None:
         axes[1].plot(tokens, accuracy, marker="o", label=f"position {position + 1}")
     axes[1].set(xlabel="train tokens (millions)", ylabel="val accuracy", xscale="log")
     axes[1].legend()
+    for axis in axes:  # plain numbers on the log axis: its range spans less than a decade
+        axis.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.set_xticks(sorted({round(value, 2) for value in tokens}))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -310,6 +316,20 @@ def collect(args: argparse.Namespace) -> None:
         print(point["train_tokens"], point["val"]["full_acc"], taus)
 
 
+def plot_runs(args: argparse.Namespace) -> None:
+    """One plot of the points of several ``collect`` JSONs (runs of the curve at other times or
+    with other engine settings), in order of train tokens."""
+    import json
+
+    points = [
+        point
+        for path in args.json
+        for point in json.loads(path.read_text(encoding="utf-8"))["points"]
+    ]
+    points.sort(key=lambda point: point["train_tokens"])
+    plot(points, args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,8 +357,11 @@ def main(argv: list[str] | None = None) -> None:
     collect_parser.add_argument("--work", type=Path, required=True)
     collect_parser.add_argument("--out", type=Path, required=True)
     collect_parser.add_argument("--plot", type=Path)
+    plot_parser = sub.add_parser("plot")
+    plot_parser.add_argument("--json", type=Path, nargs="+", required=True)
+    plot_parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    {"run": run, "collect": collect}[args.command](args)
+    {"run": run, "collect": collect, "plot": plot_runs}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ calling ``run`` again resumes a stopped run:
    writing each request's hidden states to disk, layers [2, L // 2, L - 3, L]); through it
    ``speculators prepare-data`` renders and masks the conversations (``data/``) and
    ``speculators generate-offline-data`` stores their hidden states (``hidden_states/``).
-3. ``train-<recipe>``: ``speculators train`` on them (it needs an accelerator); the last epoch's
-   directory under ``<recipe>/checkpoints/`` is the draft vLLM loads.
+3. ``train-<recipe>``: ``speculators train`` on them (it needs an accelerator), with its eager
+   losses (``LOSS_IMPLEMENTATION``); the last epoch's directory under ``<recipe>/checkpoints/`` is
+   the draft vLLM loads.
    - ``defaults``: speculators' own defaults (20 epochs, Muon, the full vocabulary,
      8,192 tokens per step);
    - ``draftflow``: the workdir's ``train:`` and ``vocab:`` settings (epochs, optimizer,
@@ -52,6 +53,10 @@ RECIPES = ("defaults", "draftflow")
 CONFIG_FILES = ("config/config.yaml", "config/examples/smollm2-gpu.yaml", "curve.yaml")
 TARGET = Path("resources/target")
 SERVER_START_S = 900
+# How speculators computes its losses, for every recipe: its fused Triton losses inside its
+# torch.compile'd step stop torch 2.11's Dynamo on the H200 ("ListVariable ... is already
+# tracked for mutation"); its eager losses compute the same terms.
+LOSS_IMPLEMENTATION = "eager"
 
 
 def workdir_config(workdir: Path, files: tuple[str, ...] = CONFIG_FILES) -> dict[str, Any]:
@@ -92,6 +97,16 @@ def write_conversations(workdir: Path, out: Path) -> int:
         raise ValueError(f"{workdir}: no conversation of the train split found in the corpus")
     atomic_write_text(out, "\n".join(rows) + "\n")
     return len(rows)
+
+
+def server_context(target: Path, seq_length: int) -> int:
+    """The server's context length: the target's own, as speculators launches vLLM (without
+    ``--max-model-len``). Its renderer refuses a conversation that fills the context ("max_tokens
+    must be at least 1"); with the context at ``--seq-length`` that dropped 29 of 537
+    conversations on the H200, which prepare-data (like draftflow) would have truncated."""
+    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    return max(seq_length, int(config.get("max_position_embeddings") or seq_length))
 
 
 def server_command(
@@ -289,7 +304,7 @@ class Stages:
         layers = capture_layers(self.target, self.config["extract"]["aux_layers"]).layer_ids
         extract = self.config["extract"]
         engine = {
-            "max_model_len": self.config["tokenize"]["max_length"],
+            "max_model_len": server_context(self.target, self.config["tokenize"]["max_length"]),
             "gpu_memory_utilization": extract["gpu_memory_utilization"],
             "kv_cache_memory_bytes": extract["kv_cache_memory_bytes"],
             "trust_remote_code": self.config["target"]["trust_remote_code"],
@@ -338,6 +353,7 @@ class Stages:
             "--hidden-states-path", str(self.out / "hidden_states"),
             "--save-path", str(checkpoints),
             "--on-missing", "raise",
+            "--loss-implementation", LOSS_IMPLEMENTATION,
             *self.remote_code,
             *train_arguments(recipe, self.config),
             log_path=self.out / "logs" / f"train-{recipe}.log",

@@ -108,3 +108,13 @@ def test_gpu_seconds_leave_out_the_wait_for_the_lease(curve, tmp_path):
     (tmp_path / "logs" / "vocab.log").write_text("2026-12-03 19:19:00,000 INFO vocab\n")
     held = curve._gpu_seconds(tmp_path, {"train": 160.0, "vocab": 20.0})
     assert held == {"train": 132.0}  # 28 s in the queue; vocab holds no GPU
+
+
+def test_the_runs_on_record_plot_together(curve, tmp_path):
+    """``plot``: the committed runs' points (docs/results) in one figure, in order of tokens."""
+    runs = [REPO / "docs/results/quality-curve.json", REPO / "docs/results/quality-curve-2.json"]
+    out = tmp_path / "curve.png"
+    curve.main(["plot", "--json", *map(str, runs), "--out", str(out)])
+    assert out.stat().st_size > 0
+    points = [point for run in runs for point in json.loads(run.read_text())["points"]]
+    assert len(points) == 6 and sum(bool(point["bench"]) for point in points) == 2

@@ -59,6 +59,10 @@ def test_draftflow_recipe_resolves_in_speculators(side):
     assert resolved.loss.loss_fn == train["loss"]
     assert resolved.draft.num_layers == train["num_layers"]
     assert resolved.draft.draft_vocab_size == config["vocab"]["draft_vocab_size"]
+    eager = TrainConfig.resolve(
+        ["--verifier-name-or-path", "t", "--loss-implementation", side.LOSS_IMPLEMENTATION]
+    )
+    assert eager.loss.loss_implementation == "eager"
     # speculators' own defaults differ where the comparison means something
     defaults = TrainConfig.resolve(["--verifier-name-or-path", "t", "--data-path", "d"])
     assert side.train_arguments("defaults", config) == []
@@ -129,6 +133,16 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     assert stages.ks == [int(k) for k in stages.config["bench"]["num_speculative_tokens"]]
     assert side.Stages(tiny_pipeline, tmp_path / "k3", 8997, 1, TINY_CONFIG, [3]).ks == [3]
     stages.conversations()
+    seq_length = stages.config["tokenize"]["max_length"]
+    assert side.server_context(stages.target, seq_length) == 8192  # SmolLM2's own context
+    # One conversation longer than --seq-length: the renderer must take it, prepare-data cut it.
+    long_answer = " ".join(["The answer goes on and on."] * (seq_length // 2))
+    with (tmp_path / "side" / "conversations.jsonl").open("a", encoding="utf-8") as handle:
+        messages = [
+            {"role": "user", "content": "Tell me a long story."},
+            {"role": "assistant", "content": long_answer},
+        ]
+        handle.write(json.dumps({"id": "long", "conversations": messages}) + "\n")
     extract = stages.config["extract"]
     command = side.server_command(
         stages.target,
@@ -136,7 +150,8 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
         capture_layers(stages.target).layer_ids,
         8997,
         {
-            "max_model_len": stages.config["tokenize"]["max_length"],
+            # Above the long conversation; the target's whole 8,192 would not fit the tiny KV cache.
+            "max_model_len": 8 * seq_length,
             "gpu_memory_utilization": extract["gpu_memory_utilization"],
             "kv_cache_memory_bytes": extract["kv_cache_memory_bytes"],
         },
@@ -159,13 +174,20 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     tokenizer = AutoTokenizer.from_pretrained(stages.target)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     newline = tokenizer.encode("\n", add_special_tokens=False)
-    assert len(rows) >= len(samples)  # one row per assistant turn
+    assert len(rows) >= len(samples) + 1  # one row per assistant turn
     extra = 0
+    unmatched = []
     for row in rows:
         ids, mask = list(row["input_ids"]), [int(m) for m in row["loss_mask"]]
-        sample = next(s for s in samples if list(s["input_ids"][: len(ids)]) == ids)
+        sample = next((s for s in samples if list(s["input_ids"][: len(ids)]) == ids), None)
+        if sample is None:
+            unmatched.append(row)
+            continue
         for position, masked in enumerate(mask):
             if masked and not sample["loss_mask"][position]:
                 assert ids[position - 1] == end and [ids[position]] == newline, position
                 extra += 1
     assert extra > 0  # the newline after <|im_end|>: the one place the two masks differ
+    # The long conversation: rendered whole, cut at --seq-length, its answer trained on.
+    assert len(unmatched) == 1 and len(unmatched[0]["input_ids"]) == seq_length
+    assert sum(int(m) for m in unmatched[0]["loss_mask"]) > seq_length // 2

@@ -89,34 +89,42 @@ def test_workflow_refuses_engines_that_cannot_share_at_start(tmp_path):
     assert "bench.schedule: side_by_side keeps 3 engines alive at once" in output, output[-3000:]
 
 
-@pytest.mark.vllm
-def test_engines_one_at_a_time_on_the_tiny_workflow(tiny_pipeline, tmp_path, caplog):
-    """k = 0 and k = 1, each engine stopped before the next starts; the same units, and the
-    lossless check's greedy outputs, as side by side."""
+def run_engine_pair(tiny_pipeline, tmp_path, caplog, prompts, **settings):
+    """k = 0 and k = 1 on the tiny workflow's target and draft: their results, and the bench's
+    engine events (starting, ready, stopped) in order."""
     from draftflow.bench.run import engine_request, run_engines
 
-    prompts = [
-        {"id": "a", "turns": ["Name three colours."]},
-        {"id": "b", "turns": ["What is two plus two?"]},
-    ]
     request = engine_request(
         str(tiny_pipeline / "resources" / "target"),
         str(tiny_pipeline / "results" / "train" / "draft"),
         [0, 1],
         {"set": prompts},
-        max_tokens=16,
-        repeats=2,
         engine={"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20},
-        schedule="one_at_a_time",
+        **settings,
     )
     with caplog.at_level(logging.INFO, logger="draftflow.bench"):
         results = run_engines(request, {k: tmp_path / f"k{k}.json" for k in (0, 1)})
+    messages = (record.getMessage() for record in caplog.records)
     events = [
-        record.getMessage()
-        for record in caplog.records
-        if record.getMessage().startswith(("starting engine", "stopped engine"))
+        message
+        for message in messages
+        if message.startswith(("starting engine", "stopped engine", "engine k="))
     ]
-    assert events == [
+    return results, events
+
+
+@pytest.mark.vllm
+def test_engines_one_at_a_time_on_the_tiny_workflow(tiny_pipeline, tmp_path, caplog):
+    """k = 0 and k = 1, each engine stopped before the next starts; the same units, and the
+    lossless check's greedy outputs, as side by side."""
+    prompts = [
+        {"id": "a", "turns": ["Name three colours."]},
+        {"id": "b", "turns": ["What is two plus two?"]},
+    ]
+    results, events = run_engine_pair(
+        tiny_pipeline, tmp_path, caplog, prompts, max_tokens=16, repeats=2, schedule="one_at_a_time"
+    )
+    assert [event for event in events if not event.endswith("ready")] == [
         "starting engine k=0",
         "stopped engine k=0",
         "starting engine k=1",
@@ -141,24 +149,10 @@ def test_engines_one_at_a_time_on_the_tiny_workflow(tiny_pipeline, tmp_path, cap
 def test_engines_started_together_on_the_tiny_workflow(tiny_pipeline, tmp_path, caplog):
     """bench.starts together: k = 0 and k = 1 both start before either is ready, then are
     timed side by side as usual."""
-    from draftflow.bench.run import engine_request, run_engines
-
-    request = engine_request(
-        str(tiny_pipeline / "resources" / "target"),
-        str(tiny_pipeline / "results" / "train" / "draft"),
-        [0, 1],
-        {"set": [{"id": "a", "turns": ["Name three colours."]}]},
-        max_tokens=8,
-        engine={"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20},
-        starts=TOGETHER,
+    prompts = [{"id": "a", "turns": ["Name three colours."]}]
+    results, events = run_engine_pair(
+        tiny_pipeline, tmp_path, caplog, prompts, max_tokens=8, starts=TOGETHER
     )
-    with caplog.at_level(logging.INFO, logger="draftflow.bench"):
-        results = run_engines(request, {k: tmp_path / f"k{k}.json" for k in (0, 1)})
-    events = [
-        record.getMessage()
-        for record in caplog.records
-        if record.getMessage().startswith(("starting engine", "engine k="))
-    ]
     assert events[:2] == ["starting engine k=0", "starting engine k=1"], events
     assert sorted(events[2:4]) == ["engine k=0 ready", "engine k=1 ready"], events
     assert results[1]["schedule"] == SIDE_BY_SIDE

@@ -28,6 +28,16 @@ def difference_key(item: dict[str, Any]) -> tuple:
     return tuple(item[field] for field in KEY_FIELDS)
 
 
+def tokens_at(
+    want: list[list[int]], got: list[list[int]], turn: int, position: int
+) -> tuple[int, int] | None:
+    """The plain and the speculative token where two outputs first differ, or None where one
+    output only stops earlier (no token of its own there to measure)."""
+    if turn >= min(len(want), len(got)) or position >= min(len(want[turn]), len(got[turn])):
+        return None
+    return want[turn][position], got[turn][position]
+
+
 def find_differences(runs_by_k: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Every distinct token difference of a speculative run from the plain target's first run
     of its prompt set (a request whose output only stops earlier has none to measure), with
@@ -47,17 +57,16 @@ def find_differences(runs_by_k: dict[int, list[dict[str, Any]]]) -> list[dict[st
                 if where is None:
                     continue
                 turn, position = where
-                if turn >= min(len(want), len(got)) or position >= min(
-                    len(want[turn]), len(got[turn])
-                ):
+                tokens = tokens_at(want, got, turn, position)
+                if tokens is None:
                     continue
                 item = {
                     "dataset": run["dataset"],
                     "id": request_id,
                     "turn": turn,
                     "position": position,
-                    "plain_token": want[turn][position],
-                    "speculative_token": got[turn][position],
+                    "plain_token": tokens[0],
+                    "speculative_token": tokens[1],
                     "answers": [response["text"] for response in reference[request_id][:turn]],
                     "prefix": want[turn][:position],
                     "prompt_tokens": reference[request_id][turn]["prompt_tokens"],
@@ -124,13 +133,14 @@ def count_near_ties(
     by_key = {difference_key(margin): margin for margin in margins}
     count = 0
     for difference in differences:
-        want = reference[difference.request_id]
-        got = candidate[difference.request_id]
         turn, position = difference.turn, difference.position
-        if turn >= min(len(want), len(got)) or position >= min(len(want[turn]), len(got[turn])):
-            continue  # one output only stops earlier: nothing was measured
-        key = (dataset, difference.request_id, turn, position, want[turn][position])
-        count += is_near_tie(by_key.get((*key, got[turn][position])), tie_margin)
+        tokens = tokens_at(
+            reference[difference.request_id], candidate[difference.request_id], turn, position
+        )
+        if tokens is None:
+            continue  # nothing was measured
+        key = (dataset, difference.request_id, turn, position, *tokens)
+        count += is_near_tie(by_key.get(key), tie_margin)
     return count
 
 

@@ -95,11 +95,13 @@ def overlay(
         settings["extract"]["gpu_memory_utilization"] = engine_share
         settings["bench"]["gpu_memory_utilization"] = engine_share
     if engine_kv_gib is not None:
+        from draftflow.bench.schedule import TOGETHER
+
         kv_bytes = int(engine_kv_gib * 2**30)
         settings["corpus"].setdefault("regenerate", {})["kv_cache_memory_bytes"] = kv_bytes
         settings["extract"]["kv_cache_memory_bytes"] = kv_bytes
         settings["bench"]["kv_cache_memory_bytes"] = kv_bytes
-        settings["bench"]["starts"] = "together"
+        settings["bench"]["starts"] = TOGETHER
     return settings
 
 

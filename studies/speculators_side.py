@@ -104,8 +104,10 @@ def server_context(target: Path, seq_length: int) -> int:
     ``--max-model-len``). Its renderer refuses a conversation that fills the context ("max_tokens
     must be at least 1"); with the context at ``--seq-length`` that dropped 29 of 537
     conversations on the H200, which prepare-data (like draftflow) would have truncated."""
-    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
-    config = config.get("text_config", config)
+    from draftflow.capture.layers import text_config
+    from draftflow.io import read_json
+
+    config = text_config(read_json(target / "config.json"))
     return max(seq_length, int(config.get("max_position_embeddings") or seq_length))
 
 

@@ -409,6 +409,61 @@ class Stages:
         return summary
 
 
+def tau_at(rows_by_set: dict[str, list[dict[str, Any]]], k: int) -> dict[str, float]:
+    """Per prompt set, τ at ``k`` (sets benched without that k are left out)."""
+    return {
+        name: row["acceptance_length"]
+        for name, rows in rows_by_set.items()
+        for row in rows
+        if row["k"] == k
+    }
+
+
+def side_by_side(
+    points: list[dict[str, Any]], summaries: dict[str, dict[str, Any]], k: int
+) -> list[dict[str, Any]]:
+    """One row per curve point with a speculators side (``summaries`` keyed by the point's
+    workdir name): τ at ``k`` per prompt set of draftflow's draft and of each speculators recipe,
+    and the seconds of each side's stages."""
+    rows = []
+    for point in points:
+        summary = summaries.get(point["workdir"])
+        if summary is None:
+            continue
+        tau = {"draftflow": tau_at(point["bench"], k)}
+        for recipe, result in summary["recipes"].items():
+            tau[f"speculators-{recipe}"] = tau_at(result["bench"], k)
+        rows.append(
+            {
+                "workdir": point["workdir"],
+                "train_tokens": point["train_tokens"],
+                "k": k,
+                "tau": tau,
+                "seconds": {
+                    "draftflow": point["gpu_seconds"],
+                    "speculators": summary["stage_seconds"],
+                },
+            }
+        )
+    return rows
+
+
+def compare(args: argparse.Namespace) -> None:
+    from draftflow.io import atomic_write_json, read_json
+
+    points = read_json(args.curve)["points"]
+    summaries = {path.parent.name: read_json(path) for path in args.summaries}
+    rows = side_by_side(points, summaries, args.k)
+    if not rows:
+        raise SystemExit(
+            "no curve point has a speculators side (summary.json in a dir named "
+            "after the point's workdir)"
+        )
+    atomic_write_json(args.out, {"curve": str(args.curve), "rows": rows})
+    for row in rows:
+        print(row["workdir"], row["train_tokens"], json.dumps(row["tau"]))
+
+
 def run(args: argparse.Namespace) -> None:
     stages = Stages(args.workdir, args.out, args.port, args.gpus, tuple(args.configfiles), args.ks)
     stages.conversations()
@@ -437,8 +492,18 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument(
         "--ks", type=int, nargs="+", help="the k to bench (default: the workdir's bench k)"
     )
+    compare_parser = sub.add_parser(
+        "compare", help="draftflow's τ beside each speculators recipe's, per curve size"
+    )
+    compare_parser.add_argument("--curve", type=Path, required=True, help="a collect JSON")
+    compare_parser.add_argument(
+        "--summaries", type=Path, nargs="+", required=True,
+        help="summary.json files, each in a directory named after its curve workdir",
+    )  # fmt: skip
+    compare_parser.add_argument("--k", type=int, default=3)
+    compare_parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    {"run": run}[args.command](args)
+    {"run": run, "compare": compare}[args.command](args)
 
 
 if __name__ == "__main__":

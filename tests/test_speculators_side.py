@@ -191,3 +191,52 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     # The long conversation: rendered whole, cut at --seq-length, its answer trained on.
     assert len(unmatched) == 1 and len(unmatched[0]["input_ids"]) == seq_length
     assert sum(int(m) for m in unmatched[0]["loss_mask"]) > seq_length // 2
+
+
+def test_side_by_side_pairs_each_size_with_its_recipes(side, tmp_path):
+    """The comparison takes τ at one k from the curve's point and from each recipe's bench, and
+    skips sizes without a side."""
+
+    def rows(*taus):
+        return [{"k": k, "acceptance_length": tau} for k, tau in enumerate(taus, start=1)]
+
+    points = [
+        {
+            "workdir": "640",
+            "train_tokens": 100,
+            "gpu_seconds": {"train": 5.0},
+            "bench": {"mtbench": rows(1.2, 1.3, 1.4), "humaneval": rows(1.1, 1.2, 1.3)},
+        },
+        {"workdir": "1280", "train_tokens": 200, "gpu_seconds": {}, "bench": {}},
+    ]
+    summary = {
+        "stage_seconds": {"data": 9.0},
+        "recipes": {
+            "defaults": {"bench": {"mtbench": [{"k": 3, "acceptance_length": 1.5}]}},
+            "draftflow": {"bench": {"mtbench": [{"k": 3, "acceptance_length": 1.35}]}},
+        },
+    }
+    (tmp_path / "640").mkdir()
+    (tmp_path / "640" / "summary.json").write_text(json.dumps(summary))
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"points": points}))
+    out = tmp_path / "side-by-side.json"
+    side.main(
+        ["compare", "--curve", str(curve), "--summaries", str(tmp_path / "640" / "summary.json"),
+         "--out", str(out)]
+    )  # fmt: skip
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["workdir"] == "640" and row["k"] == 3
+    assert row["tau"] == {
+        "draftflow": {"mtbench": 1.4, "humaneval": 1.3},
+        "speculators-defaults": {"mtbench": 1.5},
+        "speculators-draftflow": {"mtbench": 1.35},
+    }
+    assert row["seconds"] == {"draftflow": {"train": 5.0}, "speculators": {"data": 9.0}}
+    (tmp_path / "x").mkdir()  # a side whose size the curve does not hold
+    (tmp_path / "x" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="no curve point"):
+        side.main(
+            ["compare", "--curve", str(curve), "--summaries", str(tmp_path / "x" / "summary.json"),
+             "--out", str(out)]
+        )  # fmt: skip

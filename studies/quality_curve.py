@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = "config/examples/smollm2-gpu.yaml"
@@ -56,12 +57,14 @@ def overlay(
     tokens_per_batch: int = TOKENS_PER_BATCH,
     engine_share: float | None = None,
     engine_kv_gib: float | None = None,
+    epochs: int | None = None,
 ) -> dict:
     """The settings one size of the curve puts over the base config; ``engine_share``: the
     fraction of the GPU each vLLM engine takes (regenerate, extract, each bench engine), so that
     several sizes can run on one GPU at once; ``engine_kv_gib``: each engine's KV cache in GiB,
     so that no engine sizes it by profiling the memory that the other sizes' engines change
-    (vLLM stops then), and the bench's engines can start together."""
+    (vLLM stops then), and the bench's engines can start together; ``epochs``: passes over the
+    train split (default: the example's)."""
     settings = {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
@@ -102,18 +105,14 @@ def overlay(
         settings["extract"]["kv_cache_memory_bytes"] = kv_bytes
         settings["bench"]["kv_cache_memory_bytes"] = kv_bytes
         settings["bench"]["starts"] = TOGETHER
+    if epochs is not None:
+        settings["train"]["epochs"] = epochs
     return settings
 
 
-def prepare_workdir(
-    work: Path,
-    conversations: int,
-    per_shard: int,
-    tokens_per_batch: int = TOKENS_PER_BATCH,
-    engine_share: float | None = None,
-    engine_kv_gib: float | None = None,
-) -> Path:
-    """``work/<conversations>``: the workflow's files and the size's config overlay."""
+def prepare_workdir(work: Path, conversations: int, per_shard: int, **settings: Any) -> Path:
+    """``work/<conversations>``: the workflow's files and the size's config overlay (``settings``:
+    ``overlay``'s keyword arguments)."""
     import yaml
 
     workdir = work / str(conversations)
@@ -125,8 +124,7 @@ def prepare_workdir(
             shutil.copytree(source, workdir / part, ignore=ignore, dirs_exist_ok=True)
         else:
             shutil.copy2(source, workdir / part)
-    settings = overlay(conversations, per_shard, tokens_per_batch, engine_share, engine_kv_gib)
-    text = yaml.safe_dump(settings, sort_keys=False)
+    text = yaml.safe_dump(overlay(conversations, per_shard, **settings), sort_keys=False)
     (workdir / OVERLAY).write_text(text, encoding="utf-8")
     return workdir
 
@@ -149,9 +147,10 @@ def run(args: argparse.Namespace) -> None:
             args.work,
             conversations,
             args.conversations_per_shard,
-            args.tokens_per_batch,
-            args.engine_share,
-            args.engine_kv_gib,
+            tokens_per_batch=args.tokens_per_batch,
+            engine_share=args.engine_share,
+            engine_kv_gib=args.engine_kv_gib,
+            epochs=args.epochs,
         )
         command = [
             sys.executable,
@@ -318,18 +317,19 @@ def collect(args: argparse.Namespace) -> None:
         print(point["train_tokens"], point["val"]["full_acc"], taus)
 
 
-def plot_runs(args: argparse.Namespace) -> None:
-    """One plot of the points of several ``collect`` JSONs (runs of the curve at other times or
-    with other engine settings), in order of train tokens."""
-    import json
+def latest_points(runs: list[list[dict]]) -> list[dict]:
+    """One point per size (workdir) over several runs, the later run's where two hold a size,
+    in order of train tokens."""
+    by_size = {point["workdir"]: point for points in runs for point in points}
+    return sorted(by_size.values(), key=lambda point: point["train_tokens"])
 
-    points = [
-        point
-        for path in args.json
-        for point in json.loads(path.read_text(encoding="utf-8"))["points"]
-    ]
-    points.sort(key=lambda point: point["train_tokens"])
-    plot(points, args.out)
+
+def plot_runs(args: argparse.Namespace) -> None:
+    """One plot of several ``collect`` JSONs (runs of the curve at other times or with other
+    engine settings), given oldest first: a later run's point replaces an earlier one's of the
+    same size."""
+    runs = [json.loads(path.read_text(encoding="utf-8"))["points"] for path in args.json]
+    plot(latest_points(runs), args.out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         help="each vLLM engine's KV cache in GiB (default: sized from its share); the bench's "
         "engines then start together",
+    )
+    run_parser.add_argument(
+        "--epochs", type=int, help="passes over each size's train split (default: the example's)"
     )
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
     collect_parser = sub.add_parser("collect")

@@ -448,6 +448,32 @@ def side_by_side(
     return rows
 
 
+def plot_side_by_side(rows: list[dict[str, Any]], path: Path) -> None:
+    """τ at the rows' k against train tokens: a panel per prompt set, a line per draft."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({name for row in rows for taus in row["tau"].values() for name in taus})
+    drafts = list(dict.fromkeys(draft for row in rows for draft in row["tau"]))
+    figure, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for axis, dataset in zip(axes[0], datasets, strict=True):
+        for draft in drafts:
+            held = [row for row in rows if dataset in row["tau"].get(draft, {})]
+            axis.plot(
+                [row["train_tokens"] / 1e6 for row in held],
+                [row["tau"][draft][dataset] for row in held],
+                marker="o",
+                linestyle="-" if draft == "draftflow" else "--",
+                label=draft,
+            )
+        axis.set(title=dataset, xlabel="train tokens (millions)", ylabel=f"τ at k = {rows[0]['k']}")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def compare(args: argparse.Namespace) -> None:
     from draftflow.io import atomic_write_json, read_json
 
@@ -460,6 +486,8 @@ def compare(args: argparse.Namespace) -> None:
             "after the point's workdir)"
         )
     atomic_write_json(args.out, {"curve": str(args.curve), "rows": rows})
+    if args.plot:
+        plot_side_by_side(rows, args.plot)
     for row in rows:
         print(row["workdir"], row["train_tokens"], json.dumps(row["tau"]))
 
@@ -502,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     compare_parser.add_argument("--k", type=int, default=3)
     compare_parser.add_argument("--out", type=Path, required=True)
+    compare_parser.add_argument("--plot", type=Path, help="a PNG of τ against train tokens")
     args = parser.parse_args(argv)
     {"run": run, "compare": compare}[args.command](args)
 

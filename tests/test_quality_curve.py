@@ -66,7 +66,7 @@ def test_an_engine_share_lets_sizes_share_one_gpu(curve, tmp_path):
     from draftflow.config import load_config
     from draftflow.workflow.gpu import LOCK_DIR_ENV
 
-    workdir = curve.prepare_workdir(tmp_path, 640, 4000, 1024, engine_share=0.04)
+    workdir = curve.prepare_workdir(tmp_path, 640, 4000, tokens_per_batch=1024, engine_share=0.04)
     config = load_config(
         workdir / "config/config.yaml", workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY
     )
@@ -86,7 +86,9 @@ def test_a_kv_size_starts_the_bench_engines_together(curve, tmp_path):
     from draftflow.bench.schedule import TOGETHER, bench_schedule
     from draftflow.config import load_config
 
-    workdir = curve.prepare_workdir(tmp_path, 640, 4000, 1024, 0.04, engine_kv_gib=2)
+    workdir = curve.prepare_workdir(
+        tmp_path, 640, 4000, tokens_per_batch=1024, engine_share=0.04, engine_kv_gib=2, epochs=20
+    )
     config = load_config(
         workdir / "config/config.yaml", workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY
     )
@@ -95,6 +97,7 @@ def test_a_kv_size_starts_the_bench_engines_together(curve, tmp_path):
     assert config["corpus"]["regenerate"]["gpu_memory_utilization"] == 0.04
     assert config["bench"]["starts"] == TOGETHER
     assert bench_schedule(config["bench"]) == "side_by_side"
+    assert config["train"]["epochs"] == 20
 
 
 def test_gpu_seconds_leave_out_the_wait_for_the_lease(curve, tmp_path):
@@ -111,10 +114,14 @@ def test_gpu_seconds_leave_out_the_wait_for_the_lease(curve, tmp_path):
 
 
 def test_the_runs_on_record_plot_together(curve, tmp_path):
-    """``plot``: the committed runs' points (docs/results) in one figure, in order of tokens."""
-    runs = [REPO / "docs/results/quality-curve.json", REPO / "docs/results/quality-curve-2.json"]
+    """``plot``: the committed runs' points (docs/results) in one figure, each size from the
+    latest run that holds it."""
+    runs = [REPO / f"docs/results/quality-curve{suffix}.json" for suffix in ("", "-2", "-3")]
     out = tmp_path / "curve.png"
     curve.main(["plot", "--json", *map(str, runs), "--out", str(out)])
     assert out.stat().st_size > 0
-    points = [point for run in runs for point in json.loads(run.read_text())["points"]]
-    assert len(points) == 6 and sum(bool(point["bench"]) for point in points) == 2
+    points = curve.latest_points([json.loads(run.read_text())["points"] for run in runs])
+    assert [point["workdir"] for point in points] == ["640", "1280", "2560"]
+    assert all(point["bench"] for point in points)
+    third = json.loads(runs[2].read_text())["points"]
+    assert points[1:] == third  # the third run's 1,280 and 2,560 replace the earlier ones

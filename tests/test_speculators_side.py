@@ -223,8 +223,9 @@ def test_side_by_side_pairs_each_size_with_its_recipes(side, tmp_path):
     out = tmp_path / "side-by-side.json"
     side.main(
         ["compare", "--curve", str(curve), "--summaries", str(tmp_path / "640" / "summary.json"),
-         "--out", str(out)]
+         "--out", str(out), "--plot", str(tmp_path / "side.png")]
     )  # fmt: skip
+    assert (tmp_path / "side.png").stat().st_size > 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["workdir"] == "640" and row["k"] == 3
     assert row["tau"] == {

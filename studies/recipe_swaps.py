@@ -1,0 +1,159 @@
+"""One training setting changed at a time on a finished workdir's data (issue 18: which part of
+the recipe separates draftflow's draft from speculators' defaults).
+
+Given a workdir whose Snakemake run reached the train stage (its ``results/extract`` shards,
+``results/vocab`` and ``resources/target``), each ``--swap key=value`` trains the draft again
+through the train rule's own code (``draftflow.train.cli.launch`` with a ``TrainJob`` built as
+``scripts/train.py`` builds it) with that one setting changed, into ``--out/<swap>/``. The
+workdir's own training (``results/train/metrics.jsonl``) is the baseline. Keys are the config's:
+``train.<setting>`` or ``vocab.draft_vocab_size`` (which writes a vocabulary of that size from
+the workdir's token counts first). A variant already trained is read, not trained again.
+
+``summary.json`` then holds each variant's last validation (accuracy per position, loss, steps)
+and its training seconds.
+
+Usage::
+
+    python studies/recipe_swaps.py run --workdir W --out S --swap train.epochs=6 \\
+        --swap train.optimizer=muon --swap vocab.draft_vocab_size=49152
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_FILES = ("config/config.yaml",)
+SECTIONS = ("train", "vocab")
+
+
+def parse_swap(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` as (section, key, value), the value read as YAML (numbers, names)."""
+    name, separator, value = text.partition("=")
+    section, _, key = name.partition(".")
+    if not separator or not key or section not in SECTIONS:
+        raise ValueError(
+            f"a swap is train.<key>=<value> or vocab.draft_vocab_size=<n>, got {text!r}"
+        )
+    if section == "vocab" and key != "draft_vocab_size":
+        raise ValueError(f"of the vocab section only draft_vocab_size can be swapped, got {key!r}")
+    return section, key, yaml.safe_load(value)
+
+
+def swap_name(text: str) -> str:
+    """A directory name for a swap: ``train.epochs=6`` -> ``train.epochs-6``."""
+    return text.replace("=", "-").replace("/", "_")
+
+
+def last_val(metrics: Path) -> dict[str, Any]:
+    """The last validation record of a metrics file."""
+    records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
+    vals = [record for record in records if record.get("kind") == "val"]
+    if not vals:
+        raise ValueError(f"{metrics}: no validation record")
+    last = vals[-1]
+    return {"step": last["step"], "loss": last["loss"], "full_acc": last["full_acc"]}
+
+
+def variant_job(workdir: Path, out: Path, config: dict[str, Any], swap: str, device: str | None):
+    """The train rule's job for ``workdir`` with ``swap`` applied, writing under ``out``."""
+    import dataclasses
+
+    from draftflow.config import from_section
+    from draftflow.train.job import TrainJob
+    from draftflow.train.settings import TrainSettings
+    from draftflow.train.vocab import write_vocab
+
+    section, key, value = parse_swap(swap)
+    train = dict(config["train"])
+    vocab = workdir / "results" / "vocab" / "vocab.safetensors"
+    if section == "train":
+        train[key] = value
+    else:
+        vocab = out / "vocab.safetensors"
+        if not vocab.exists():
+            write_vocab(
+                workdir / "results" / "tokenize" / "token_freq.safetensors",
+                vocab,
+                out / "vocab-summary.json",
+                draft_vocab_size=int(value),
+            )
+    if device:
+        train["device"] = device
+    settings = from_section(TrainSettings, train, "train")
+    if settings.threads == 0:  # the rule's threads: here the whole machine
+        import os
+
+        settings = dataclasses.replace(settings, threads=os.cpu_count() or 1)
+    extract = workdir / "results" / "extract"
+    return TrainJob(
+        target_dir=str(workdir / "resources" / "target"),
+        vocab_path=str(vocab),
+        train_shards=sorted(str(path) for path in (extract / "train").iterdir() if path.is_dir()),
+        val_shards=sorted(str(path) for path in (extract / "val").iterdir() if path.is_dir()),
+        draft_dir=str(out / "draft"),
+        metrics_path=str(out / "metrics.jsonl"),
+        checkpoint_dir=str(out / "checkpoints"),
+        settings=settings,
+        trust_remote_code=config["target"]["trust_remote_code"],
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from draftflow.config import load_config
+    from draftflow.io import atomic_write_json, read_json
+    from draftflow.train.cli import launch
+
+    workdir = args.workdir.resolve()
+    config = load_config(*(workdir / name for name in args.configfiles))
+    summary: dict[str, Any] = {
+        "workdir": str(workdir),
+        "baseline": {
+            "train": config["train"],
+            "vocab": config["vocab"],
+            "val": last_val(workdir / "results" / "train" / "metrics.jsonl"),
+        },
+        "swaps": {},
+    }
+    for swap in args.swap:
+        out = args.out.resolve() / swap_name(swap)
+        done = out / "done.json"
+        if not done.exists():
+            out.mkdir(parents=True, exist_ok=True)
+            job = variant_job(workdir, out, config, swap, args.device)
+            start = time.monotonic()
+            launch(job, 1)
+            atomic_write_json(done, {"seconds": round(time.monotonic() - start, 2)})
+        summary["swaps"][swap] = {
+            "seconds": read_json(done)["seconds"],
+            "val": last_val(out / "metrics.jsonl"),
+        }
+        print(swap, json.dumps(summary["swaps"][swap]), flush=True)
+    atomic_write_json(args.out / "summary.json", summary)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run")
+    run_parser.add_argument("--workdir", type=Path, required=True)
+    run_parser.add_argument("--out", type=Path, required=True)
+    run_parser.add_argument("--swap", action="append", required=True, help="section.key=value")
+    run_parser.add_argument(
+        "--configfiles",
+        nargs="+",
+        default=list(CONFIG_FILES),
+        help="the workdir's config files, in the order its Snakemake run merged them",
+    )
+    run_parser.add_argument("--device", help="train.device for every variant (default: config)")
+    args = parser.parse_args(argv)
+    {"run": run}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""studies/recipe_swaps.py: the draft trained again with one setting changed, through the train
+rule's own code, on the tiny workflow's data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+from study_support import load_study
+
+
+@pytest.fixture(scope="module")
+def swaps():
+    return load_study("recipe_swaps")
+
+
+def test_a_swap_names_one_setting(swaps):
+    assert swaps.parse_swap("train.optimizer=muon") == ("train", "optimizer", "muon")
+    assert swaps.parse_swap("train.epochs=6") == ("train", "epochs", 6)
+    assert swaps.parse_swap("vocab.draft_vocab_size=64") == ("vocab", "draft_vocab_size", 64)
+    for wrong in ("epochs=6", "train.epochs", "bench.k=3", "vocab.other=1"):
+        with pytest.raises(ValueError):
+            swaps.parse_swap(wrong)
+
+
+def test_each_swap_trains_with_its_setting(swaps, tiny_pipeline, tmp_path):
+    """Fewer steps stop there; a smaller draft vocabulary gives a draft with that many outputs;
+    the baseline is the workdir's own training; a second call reads what the first trained."""
+    out = tmp_path / "swaps"
+    argv = ["run", "--workdir", str(tiny_pipeline), "--out", str(out)]
+    argv += ["--swap", "train.max_steps=3", "--swap", "vocab.draft_vocab_size=64"]
+    swaps.main(argv)
+    summary = json.loads((out / "summary.json").read_text())
+    baseline = summary["baseline"]
+    assert baseline["train"]["max_steps"] == 50 and baseline["vocab"]["draft_vocab_size"] == 2048
+    assert summary["swaps"]["train.max_steps=3"]["val"]["step"] == 3
+    assert baseline["val"]["step"] > 3
+    draft = out / "vocab.draft_vocab_size-64" / "draft"
+    assert json.loads((draft / "config.json").read_text())["draft_vocab_size"] == 64
+    with safe_open(str(draft / "model.safetensors"), "pt") as weights:
+        assert weights.get_tensor("d2t").shape == (64,)
+    done = out / "train.max_steps-3" / "done.json"
+    before = done.stat().st_mtime_ns
+    swaps.main(argv)
+    assert done.stat().st_mtime_ns == before

@@ -10,7 +10,9 @@ workdir's own training (``results/train/metrics.jsonl``) is the baseline. Keys a
 the workdir's token counts first). A variant already trained is read, not trained again.
 
 ``summary.json`` then holds each variant's last validation (accuracy per position, loss, steps)
-and its training seconds.
+and its training seconds; with ``--bench-ks`` each variant's draft is also benched as the
+workdir's bench stage benches its own (``draft_bench.py``: its prompts, target and settings, at
+those k), and the summary holds its τ beside the workdir's own bench.
 
 Usage::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +107,24 @@ def variant_job(workdir: Path, out: Path, config: dict[str, Any], swap: str, dev
     )
 
 
+def bench_variant(
+    workdir: Path, config: dict[str, Any], out: Path, ks: list[int]
+) -> dict[str, list[dict[str, Any]]]:
+    """The variant's draft benched at ``ks`` (once: ``bench/done.json`` marks it), its rows."""
+    from draft_bench import bench_draft
+
+    from draftflow.bench.tables import read_speculative_rows
+    from draftflow.io import atomic_write_json
+
+    done = out / "bench" / "done.json"
+    if not done.exists():
+        names = bench_draft(workdir, config, out / "draft", ks, out / "bench")
+        atomic_write_json(done, {"datasets": names, "ks": ks})
+    return read_speculative_rows(out / "bench")
+
+
 def run(args: argparse.Namespace) -> None:
+    from draftflow.bench.tables import read_speculative_rows
     from draftflow.config import load_config
     from draftflow.io import atomic_write_json, read_json
     from draftflow.train.cli import launch
@@ -117,6 +137,7 @@ def run(args: argparse.Namespace) -> None:
             "train": config["train"],
             "vocab": config["vocab"],
             "val": last_val(workdir / "results" / "train" / "metrics.jsonl"),
+            "bench": read_speculative_rows(workdir / "results" / "bench"),
         },
         "swaps": {},
     }
@@ -133,6 +154,8 @@ def run(args: argparse.Namespace) -> None:
             "seconds": read_json(done)["seconds"],
             "val": last_val(out / "metrics.jsonl"),
         }
+        if args.bench_ks:
+            summary["swaps"][swap]["bench"] = bench_variant(workdir, config, out, args.bench_ks)
         print(swap, json.dumps(summary["swaps"][swap]), flush=True)
     atomic_write_json(args.out / "summary.json", summary)
 
@@ -151,7 +174,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the workdir's config files, in the order its Snakemake run merged them",
     )
     run_parser.add_argument("--device", help="train.device for every variant (default: config)")
+    run_parser.add_argument(
+        "--bench-ks", type=int, nargs="+", help="bench each variant's draft at these k"
+    )
     args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     {"run": run}[args.command](args)
 
 

@@ -47,11 +47,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from draft_bench import TARGET
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("defaults", "draftflow")
 # A quality-curve workdir's config files, merged in this order (as its Snakemake run merges them).
 CONFIG_FILES = ("config/config.yaml", "config/examples/smollm2-gpu.yaml", "curve.yaml")
-TARGET = Path("resources/target")
 SERVER_START_S = 900
 # How speculators computes its losses, for every recipe: its fused Triton losses inside its
 # torch.compile'd step stop torch 2.11's Dynamo on the H200 ("ListVariable ... is already
@@ -369,24 +370,13 @@ class Stages:
         self.timed(f"bench-{recipe}", done, lambda: self._bench(recipe, done))
 
     def _bench(self, recipe: str, done: Path) -> None:
-        from draftflow.bench.prompts import read_prompts
-        from draftflow.bench.run import request_settings
-        from draftflow.bench.suite import run_benchmark
+        from draft_bench import bench_draft
+
         from draftflow.io import atomic_write_json, read_json
 
-        bench = self.config["bench"]
         draft = read_json(self.out / recipe / "draft.json")["draft"]
-        prompts = self.workdir / "results" / "bench" / "prompts"
-        names = [dataset["name"] for dataset in bench["datasets"]]
-        run_benchmark(
-            prompt_sets={name: read_prompts(prompts / f"{name}.jsonl") for name in names},
-            target=str(self.target),
-            draft=draft,
-            ks=self.ks,
-            out_dir=self.out / recipe / "bench",
-            reserved_cpus=bench["reserved_cpus"],
-            **request_settings(bench, dtype=bench["dtype"] or self.config["target"]["dtype"]),
-        )
+        out_dir = self.out / recipe / "bench"
+        names = bench_draft(self.workdir, self.config, draft, self.ks, out_dir)
         atomic_write_json(done, {"draft": draft, "datasets": names})
 
     def summary(self) -> dict[str, Any]:

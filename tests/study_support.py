@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
+# The studies import their shared modules (draft_bench) as ``python studies/x.py`` finds them.
+if str(STUDIES) not in sys.path:
+    sys.path.append(str(STUDIES))
 
 
 def load_study(name: str) -> ModuleType:

@@ -44,3 +44,24 @@ def test_each_swap_trains_with_its_setting(swaps, tiny_pipeline, tmp_path):
     before = done.stat().st_mtime_ns
     swaps.main(argv)
     assert done.stat().st_mtime_ns == before
+
+
+def test_a_variant_is_benched_as_the_workdir_benches_its_draft(swaps, tiny_pipeline, tmp_path):
+    """``--bench-ks``: the variant's draft through draftflow's bench in the CPU build of vLLM,
+    with the workdir's prompts and settings, its τ in the summary beside the workdir's own."""
+    out = tmp_path / "swaps"
+    swaps.main(
+        ["run", "--workdir", str(tiny_pipeline), "--out", str(out),
+         "--swap", "train.max_steps=3", "--bench-ks", "1"]
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    variant = summary["swaps"]["train.max_steps=3"]["bench"]
+    baseline = summary["baseline"]["bench"]
+    assert sorted(variant) == sorted(baseline) and variant
+    for name, rows in variant.items():
+        assert rows  # a row per repeat of the bench
+        for row in rows:
+            assert row["k"] == 1 and row["num_drafts"] > 0
+            assert 1.0 <= row["acceptance_length"] <= 2.0
+            assert row["lossless"] in ("identical", "near-ties only")
+        assert (out / "train.max_steps-3" / "bench" / f"{name}.csv").exists()

@@ -248,8 +248,9 @@ def _untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-def test_killed_run_resumes_bit_identical(tiny_store, tmp_path):
-    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 6}
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: the demo's since 2026-12-04
+def test_killed_run_resumes_bit_identical(tiny_store, tmp_path, optimizer):
+    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 6, "optimizer": optimizer}
     straight = _job(tiny_store, tmp_path / "straight", **settings)
     train(straight)
 

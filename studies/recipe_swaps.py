@@ -11,7 +11,7 @@ the workdir's token counts first). A variant already trained is read, not traine
 
 ``summary.json`` then holds each variant's last validation (accuracy per position, loss, steps)
 and its training seconds; with ``--bench-ks`` each variant's draft is also benched as the
-workdir's bench stage benches its own (``draft_bench.py``: its prompts, target and settings, at
+workdir's bench stage benches its own (``workdir_study.py``: its prompts, target and settings, at
 those k), and the summary holds its τ beside the workdir's own bench.
 
 Usage::
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from workdir_study import add_run_parser, workdir_config
 
 CONFIG_FILES = ("config/config.yaml",)
 SECTIONS = ("train", "vocab")
@@ -111,7 +112,7 @@ def bench_variant(
     workdir: Path, config: dict[str, Any], out: Path, ks: list[int]
 ) -> dict[str, list[dict[str, Any]]]:
     """The variant's draft benched at ``ks`` (once: ``bench/done.json`` marks it), its rows."""
-    from draft_bench import bench_draft
+    from workdir_study import bench_draft
 
     from draftflow.bench.tables import read_speculative_rows
     from draftflow.io import atomic_write_json
@@ -125,12 +126,11 @@ def bench_variant(
 
 def run(args: argparse.Namespace) -> None:
     from draftflow.bench.tables import read_speculative_rows
-    from draftflow.config import load_config
     from draftflow.io import atomic_write_json, read_json
     from draftflow.train.cli import launch
 
     workdir = args.workdir.resolve()
-    config = load_config(*(workdir / name for name in args.configfiles))
+    config = workdir_config(workdir, tuple(args.configfiles))
     summary: dict[str, Any] = {
         "workdir": str(workdir),
         "baseline": {
@@ -163,16 +163,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run_parser = sub.add_parser("run")
-    run_parser.add_argument("--workdir", type=Path, required=True)
-    run_parser.add_argument("--out", type=Path, required=True)
+    run_parser = add_run_parser(sub, CONFIG_FILES)
     run_parser.add_argument("--swap", action="append", required=True, help="section.key=value")
-    run_parser.add_argument(
-        "--configfiles",
-        nargs="+",
-        default=list(CONFIG_FILES),
-        help="the workdir's config files, in the order its Snakemake run merged them",
-    )
     run_parser.add_argument("--device", help="train.device for every variant (default: config)")
     run_parser.add_argument(
         "--bench-ks", type=int, nargs="+", help="bench each variant's draft at these k"

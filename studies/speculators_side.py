@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from draft_bench import TARGET
+from workdir_study import TARGET, add_run_parser, workdir_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("defaults", "draftflow")
@@ -58,14 +58,6 @@ SERVER_START_S = 900
 # torch.compile'd step stop torch 2.11's Dynamo on the H200 ("ListVariable ... is already
 # tracked for mutation"); its eager losses compute the same terms.
 LOSS_IMPLEMENTATION = "eager"
-
-
-def workdir_config(workdir: Path, files: tuple[str, ...] = CONFIG_FILES) -> dict[str, Any]:
-    """The workdir's config as its Snakemake run saw it: the files merged in order, validated,
-    defaults filled."""
-    from draftflow.config import load_config
-
-    return load_config(*(workdir / name for name in files))
 
 
 def corpus_path(workdir: Path) -> Path:
@@ -370,7 +362,7 @@ class Stages:
         self.timed(f"bench-{recipe}", done, lambda: self._bench(recipe, done))
 
     def _bench(self, recipe: str, done: Path) -> None:
-        from draft_bench import bench_draft
+        from workdir_study import bench_draft
 
         from draftflow.io import atomic_write_json, read_json
 
@@ -495,16 +487,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run_parser = sub.add_parser("run")
-    run_parser.add_argument("--workdir", type=Path, required=True)
-    run_parser.add_argument("--out", type=Path, required=True)
+    run_parser = add_run_parser(sub, CONFIG_FILES)
     run_parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
-    run_parser.add_argument(
-        "--configfiles",
-        nargs="+",
-        default=list(CONFIG_FILES),
-        help="the workdir's config files, in the order its Snakemake run merged them",
-    )
     run_parser.add_argument("--port", type=int, default=8765)
     run_parser.add_argument("--gpus", type=int, default=1, help="torchrun processes for training")
     run_parser.add_argument(

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
-# The studies import their shared modules (draft_bench) as ``python studies/x.py`` finds them.
+# The studies import their shared module (workdir_study) as ``python studies/x.py`` finds them.
 if str(STUDIES) not in sys.path:
     sys.path.append(str(STUDIES))
 

@@ -43,6 +43,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = "config/examples/smollm2-gpu.yaml"
+# What a point keeps of its draft's last validation.
+VAL_KEYS = ("step", "full_acc", "cond_acc", "loss")
 # What a workdir needs of the repository to run the workflow.
 WORKFLOW_PARTS = ("Snakefile", "rules", "scripts", "draftflow", "config", "envs", "profiles")
 OVERLAY = "curve.yaml"
@@ -230,13 +232,10 @@ def _train_tokens(workdir: Path) -> int:
 
 
 def _last_val(workdir: Path) -> dict:
-    from draftflow.train.metrics import read_metrics
+    from draftflow.train.metrics import last_val
 
-    records = read_metrics(workdir / "results" / "train" / "metrics.jsonl")
-    val = [record for record in records if record["kind"] == "val"]
-    if not val:
-        raise RuntimeError(f"{workdir}: the training metrics hold no val record")
-    return {key: val[-1][key] for key in ("step", "full_acc", "cond_acc", "loss")}
+    record = last_val(workdir / "results" / "train" / "metrics.jsonl")
+    return {key: record[key] for key in VAL_KEYS}
 
 
 def _bench(workdir: Path) -> dict[str, list[dict]]:

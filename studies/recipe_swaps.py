@@ -55,13 +55,11 @@ def swap_name(text: str) -> str:
 
 
 def last_val(metrics: Path) -> dict[str, Any]:
-    """The last validation record of a metrics file."""
-    records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
-    vals = [record for record in records if record.get("kind") == "val"]
-    if not vals:
-        raise ValueError(f"{metrics}: no validation record")
-    last = vals[-1]
-    return {"step": last["step"], "loss": last["loss"], "full_acc": last["full_acc"]}
+    """What the summary keeps of a metrics file's last validation."""
+    from draftflow.train.metrics import last_val as last_val_record
+
+    record = last_val_record(metrics)
+    return {key: record[key] for key in ("step", "loss", "full_acc")}
 
 
 def variant_job(workdir: Path, out: Path, config: dict[str, Any], swap: str, device: str | None):

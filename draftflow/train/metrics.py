@@ -78,6 +78,14 @@ def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def last_val(path: str | os.PathLike[str]) -> StepMetrics:
+    """The metrics log's last validation record (the trained draft's)."""
+    val = [record for record in read_metrics(path) if record["kind"] == "val"]
+    if not val:
+        raise ValueError(f"{path}: the training metrics hold no val record")
+    return val[-1]
+
+
 def counted_keys(ttt_steps: int) -> list[str]:
     """Every counted metric speculators' forward returns (a rank without val batches sends zeros)."""
     names = ["loss"] + [

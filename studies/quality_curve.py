@@ -60,13 +60,14 @@ def overlay(
     engine_share: float | None = None,
     engine_kv_gib: float | None = None,
     epochs: int | None = None,
+    ks: list[int] | None = None,
 ) -> dict:
     """The settings one size of the curve puts over the base config; ``engine_share``: the
     fraction of the GPU each vLLM engine takes (regenerate, extract, each bench engine), so that
     several sizes can run on one GPU at once; ``engine_kv_gib``: each engine's KV cache in GiB,
     so that no engine sizes it by profiling the memory that the other sizes' engines change
     (vLLM stops then), and the bench's engines can start together; ``epochs``: passes over the
-    train split (default: the example's)."""
+    train split (default: the example's); ``ks``: the bench's k (default: ``KS``)."""
     settings = {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
@@ -89,7 +90,7 @@ def overlay(
                     "order": "file",
                 },
             ],
-            "num_speculative_tokens": KS,
+            "num_speculative_tokens": ks or KS,
             "max_num_seqs": 32,
             # Six engines alive at once on one GPU: the example's 0.2 each would need 1.2 of it.
             "gpu_memory_utilization": 0.14,
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> None:
             engine_share=args.engine_share,
             engine_kv_gib=args.engine_kv_gib,
             epochs=args.epochs,
+            ks=args.ks,
         )
         command = [
             sys.executable,
@@ -355,6 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     run_parser.add_argument(
         "--epochs", type=int, help="passes over each size's train split (default: the example's)"
+    )
+    run_parser.add_argument(
+        "--ks", type=int, nargs="+", help=f"bench these k (default: {' '.join(map(str, KS))})"
     )
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
     collect_parser = sub.add_parser("collect")

@@ -7,7 +7,9 @@ through the train rule's own code (``draftflow.train.cli.launch`` with a ``Train
 ``scripts/train.py`` builds it) with that one setting changed, into ``--out/<swap>/``. The
 workdir's own training (``results/train/metrics.jsonl``) is the baseline. Keys are the config's:
 ``train.<setting>`` or ``vocab.draft_vocab_size`` (which writes a vocabulary of that size from
-the workdir's token counts first). A variant already trained is read, not trained again.
+the workdir's token counts first). Settings joined by commas change together in one variant
+(``train.epochs=20,train.tokens_per_batch=8192``). A variant already trained is read, not
+trained again.
 
 ``summary.json`` then holds each variant's last validation (accuracy per position, loss, steps)
 and its training seconds; with ``--bench-ks`` each variant's draft is also benched as the
@@ -49,9 +51,19 @@ def parse_swap(text: str) -> tuple[str, str, Any]:
     return section, key, yaml.safe_load(value)
 
 
+def parse_variant(text: str) -> list[tuple[str, str, Any]]:
+    """A variant's settings: one swap, or several joined by commas, each as ``parse_swap``."""
+    swaps = [parse_swap(part) for part in text.split(",")]
+    names = [(section, key) for section, key, _ in swaps]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a variant sets each key once, got {text!r}")
+    return swaps
+
+
 def swap_name(text: str) -> str:
-    """A directory name for a swap: ``train.epochs=6`` -> ``train.epochs-6``."""
-    return text.replace("=", "-").replace("/", "_")
+    """A directory name for a swap: ``train.epochs=6`` -> ``train.epochs-6``; a variant's
+    settings are joined by ``_``."""
+    return text.replace("=", "-").replace("/", "_").replace(",", "_")
 
 
 def last_val(metrics: Path) -> dict[str, Any]:
@@ -63,7 +75,8 @@ def last_val(metrics: Path) -> dict[str, Any]:
 
 
 def variant_job(workdir: Path, out: Path, config: dict[str, Any], swap: str, device: str | None):
-    """The train rule's job for ``workdir`` with ``swap`` applied, writing under ``out``."""
+    """The train rule's job for ``workdir`` with ``swap``'s settings applied, writing under
+    ``out``."""
     import dataclasses
 
     from draftflow.config import from_section
@@ -71,12 +84,12 @@ def variant_job(workdir: Path, out: Path, config: dict[str, Any], swap: str, dev
     from draftflow.train.settings import TrainSettings
     from draftflow.train.vocab import write_vocab
 
-    section, key, value = parse_swap(swap)
     train = dict(config["train"])
     vocab = workdir / "results" / "vocab" / "vocab.safetensors"
-    if section == "train":
-        train[key] = value
-    else:
+    for section, key, value in parse_variant(swap):
+        if section == "train":
+            train[key] = value
+            continue
         vocab = out / "vocab.safetensors"
         if not vocab.exists():
             write_vocab(
@@ -162,7 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = add_run_parser(sub, CONFIG_FILES)
-    run_parser.add_argument("--swap", action="append", required=True, help="section.key=value")
+    run_parser.add_argument(
+        "--swap",
+        action="append",
+        required=True,
+        help="section.key=value, or several joined by commas to change together",
+    )
     run_parser.add_argument("--device", help="train.device for every variant (default: config)")
     run_parser.add_argument(
         "--bench-ks", type=int, nargs="+", help="bench each variant's draft at these k"

@@ -24,12 +24,28 @@ def test_a_swap_names_one_setting(swaps):
             swaps.parse_swap(wrong)
 
 
+def test_a_variant_may_change_several_settings_together(swaps):
+    text = "train.epochs=20,train.tokens_per_batch=8192,vocab.draft_vocab_size=64"
+    assert swaps.parse_variant(text) == [
+        ("train", "epochs", 20),
+        ("train", "tokens_per_batch", 8192),
+        ("vocab", "draft_vocab_size", 64),
+    ]
+    assert swaps.swap_name(text) == (
+        "train.epochs-20_train.tokens_per_batch-8192_vocab.draft_vocab_size-64"
+    )
+    for wrong in ("train.epochs=6,train.epochs=7", "train.epochs=6,bench.k=3"):
+        with pytest.raises(ValueError):
+            swaps.parse_variant(wrong)
+
+
 def test_each_swap_trains_with_its_setting(swaps, tiny_pipeline, tmp_path):
     """Fewer steps stop there; a smaller draft vocabulary gives a draft with that many outputs;
     the baseline is the workdir's own training; a second call reads what the first trained."""
     out = tmp_path / "swaps"
     argv = ["run", "--workdir", str(tiny_pipeline), "--out", str(out)]
     argv += ["--swap", "train.max_steps=3", "--swap", "vocab.draft_vocab_size=64"]
+    argv += ["--swap", "train.max_steps=2,vocab.draft_vocab_size=32"]
     swaps.main(argv)
     summary = json.loads((out / "summary.json").read_text())
     baseline = summary["baseline"]
@@ -40,6 +56,10 @@ def test_each_swap_trains_with_its_setting(swaps, tiny_pipeline, tmp_path):
     assert json.loads((draft / "config.json").read_text())["draft_vocab_size"] == 64
     with safe_open(str(draft / "model.safetensors"), "pt") as weights:
         assert weights.get_tensor("d2t").shape == (64,)
+    both = summary["swaps"]["train.max_steps=2,vocab.draft_vocab_size=32"]
+    assert both["val"]["step"] == 2
+    draft = out / "train.max_steps-2_vocab.draft_vocab_size-32" / "draft"
+    assert json.loads((draft / "config.json").read_text())["draft_vocab_size"] == 32
     done = out / "train.max_steps-3" / "done.json"
     before = done.stat().st_mtime_ns
     swaps.main(argv)

@@ -484,15 +484,17 @@ def test_muon_orthogonalizes_in_float32_as_torch_does_in_bf16():
     """The float32 iteration that CPUs without native bf16 run gives torch's Muon update to
     within bf16's precision, in the gradient's shape."""
     import torch
-    from torch.optim._muon import DEFAULT_NS_STEPS, _zeropower_via_newtonschulz
+    from torch.optim._muon import DEFAULT_NS_STEPS
 
-    from draftflow.train.optim import orthogonalize_fp32
+    # torch's own, even where an earlier test's CPU Muon replaced it in torch's module
+    from draftflow.train.optim import TORCH_ORTHOGONALIZE, orthogonalize_fp32
 
     coefficients = (3.4445, -4.7750, 2.0315)
     generator = torch.Generator().manual_seed(0)
     for shape in ((96, 32), (32, 80)):
         grad = torch.randn(*shape, generator=generator)
         ours = orthogonalize_fp32(grad, coefficients, DEFAULT_NS_STEPS, 1e-7)
-        torchs = _zeropower_via_newtonschulz(grad, coefficients, DEFAULT_NS_STEPS, 1e-7).float()
+        torchs = TORCH_ORTHOGONALIZE(grad, coefficients, DEFAULT_NS_STEPS, 1e-7).float()
         assert ours.dtype == torch.float32 and ours.shape == grad.shape
-        assert (ours - torchs).abs().max() < 0.02 * torchs.abs().max()
+        # five bf16 iterations drift ~2 % from the float32 result (measured 1.6-1.8 %)
+        assert (ours - torchs).norm() < 0.03 * torchs.norm()

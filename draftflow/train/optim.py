@@ -23,6 +23,10 @@ def lr_factor(step: int, settings: TrainSettings, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# torch's own orthogonalization, kept before build_optimizers may replace it in its module.
+TORCH_ORTHOGONALIZE = torch.optim._muon._zeropower_via_newtonschulz
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX); elsewhere
     oneDNN emulates them, about 35x slower than float32 (measured on an AMD EPYC)."""

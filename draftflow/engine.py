@@ -30,6 +30,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from draftflow.hardware import cpu_has_native_bf16
 from draftflow.workflow.cpu_threads import cpu_engine_env, tensor_parallel_env
 
 # extract.model_runner / VLLM_USE_V2_MODEL_RUNNER: "default" leaves vLLM's own choice.
@@ -272,6 +273,15 @@ class _OutputTail:
         time.sleep(seconds)
 
 
+def platform_dtype(kwargs: Mapping[str, Any], cpu: bool, native_bf16: bool) -> str | None:
+    """The dtype for an engine whose ``kwargs`` leave it to vLLM ("auto": the checkpoint's, bf16
+    for most): float32 on a CPU without native bf16, where emulated bf16 GEMMs make a prefill 7x
+    slower; None where vLLM's choice stands (GPUs, bf16-capable CPUs, a dtype set explicitly)."""
+    if kwargs.get("dtype") not in (None, "auto"):
+        return None
+    return "float32" if cpu and not native_bf16 else None
+
+
 def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
     """Start ``vllm.LLM`` with ``env`` set while it starts its processes (they inherit it).
 
@@ -287,6 +297,12 @@ def start_engine(kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
     try:
         import vllm
 
+        dtype = platform_dtype(kwargs, on_cpu_build(), cpu_has_native_bf16())
+        if dtype:
+            log.info(
+                "this CPU has no native bf16 (AVX512-BF16 or AMX): the engine runs in %s", dtype
+            )
+            kwargs = {**kwargs, "dtype": dtype}
         tail = _OutputTail()
         with tail:
             try:

@@ -91,3 +91,37 @@ def test_an_engine_that_dies_mid_call_names_the_workers_own_error(smollm2_dir: P
     print(message)
     assert message.startswith("the vLLM engine failed: FileNotFoundError:"), message
     assert backend._tmp.name in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cpu", "native_bf16", "expected"),
+    [
+        ({}, True, False, "float32"),
+        ({"dtype": "auto"}, True, False, "float32"),
+        ({"dtype": "bfloat16"}, True, False, None),  # asked for: kept
+        ({}, True, True, None),
+        ({}, False, False, None),
+    ],
+)
+def test_platform_dtype(kwargs, cpu, native_bf16, expected):
+    from draftflow.engine import platform_dtype
+
+    assert platform_dtype(kwargs, cpu, native_bf16) == expected
+
+
+@pytest.mark.vllm
+def test_an_engine_left_to_choose_its_dtype_runs_float32_on_a_cpu_without_bf16(smollm2_dir: Path):
+    """The prepared target is a bf16 checkpoint: vLLM would run it in bf16, which a CPU without
+    native bf16 emulates (7x slower prefill); start_engine runs it in float32 there."""
+    import torch
+
+    from draftflow.engine import engine_env, engine_kwargs, shutdown_engine, start_engine
+    from draftflow.hardware import cpu_has_native_bf16
+
+    kwargs = engine_kwargs(smollm2_dir, max_model_len=64, kv_cache_memory_bytes=1 << 24)
+    llm = start_engine(kwargs, engine_env(reserved_cpus=1))
+    try:
+        dtype = llm.llm_engine.model_config.dtype
+    finally:
+        shutdown_engine(llm)
+    assert dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from draftflow.hardware import cpu_has_native_bf16
 from draftflow.train.settings import TrainSettings
 
 
@@ -25,15 +26,6 @@ def lr_factor(step: int, settings: TrainSettings, total_steps: int) -> float:
 
 # torch's own orthogonalization, kept before build_optimizers may replace it in its module.
 TORCH_ORTHOGONALIZE = torch.optim._muon._zeropower_via_newtonschulz
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX); elsewhere
-    oneDNN emulates them, about 35x slower than float32 (measured on an AMD EPYC)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def orthogonalize_fp32(

@@ -26,6 +26,7 @@ from draftflow.capture.layers import capture_layers, default_aux_layers
 from draftflow.capture.store import CaptureReader
 from draftflow.capture.verify import CaptureVerificationError, cosine_summary, token_cosines
 from draftflow.data.samples import samples_table, write_samples
+from draftflow.hardware import cpu_has_native_bf16
 
 LENGTHS = [7, 600, 33, 250, 120, 7, 410, 64, 300]
 MAX_MODEL_LEN = 641
@@ -46,8 +47,9 @@ ENGINE = EngineSettings(
     max_model_len=MAX_MODEL_LEN,
     max_num_batched_tokens=128,
     max_num_seqs=4,
-    # about 880 tokens of KV cache: room for one 641-token request, not for four prefills
-    kv_cache_memory_bytes=21_900_000,
+    # about 880 tokens of KV cache: room for one 641-token request, not for four prefills (a
+    # float32 engine, on a CPU without native bf16, takes twice the bytes a token)
+    kv_cache_memory_bytes=21_900_000 * (1 if cpu_has_native_bf16() else 2),
     engine_args={**SMALL_CACHE, "long_prefill_token_threshold": 32},
     # Byte comparisons between calls (resume) hold only with it (docs/capture.md, Determinism).
     deterministic=True,

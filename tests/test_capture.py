@@ -24,7 +24,12 @@ from draftflow.capture.backends.hooks import match_request_ids
 from draftflow.capture.extract import ExtractSettings, VerifySettings, partial_dir, run_extract
 from draftflow.capture.layers import capture_layers, default_aux_layers
 from draftflow.capture.store import CaptureReader
-from draftflow.capture.verify import CaptureVerificationError, cosine_summary, token_cosines
+from draftflow.capture.verify import (
+    CaptureVerificationError,
+    cosine_failures,
+    cosine_summary,
+    token_cosines,
+)
 from draftflow.data.samples import samples_table, write_samples
 from draftflow.hardware import cpu_has_native_bf16
 
@@ -320,7 +325,7 @@ def test_extract_resume_and_verification(tmp_path, smollm2_dir, hooks_backend):
 @pytest.mark.vllm
 def test_failed_verification_names_layer_and_keeps_store(tmp_path, smollm2_dir, hooks_backend):
     write_shard(tmp_path / "shard-00001.parquet", [30, 12])
-    # bf16 capture can never reach cosine 1 against fp32 everywhere.
+    # States stored in bf16 never reach cosine 1 against fp32 everywhere.
     settings = ExtractSettings(
         backend="hooks", verify=VerifySettings(fraction=1.0, min_mean_cosine=1.0)
     )
@@ -369,3 +374,13 @@ def test_hf_extract_without_vllm_and_empty_shard(tmp_path, smollm2_dir):
     empty = run_extract(tmp_path / "shard-00001.parquet", smollm2_dir, tmp_path / "e", settings)
     assert empty["num_samples"] == 0 and empty["verification"]["passed"]
     assert len(CaptureReader(tmp_path / "e")) == 0
+
+
+def test_a_failure_shows_the_cosine_below_its_threshold():
+    # 0.9999993 printed with five decimals would read "1.00000 < 1.0".
+    per_layer = {"2": {"mean": 0.9999993, "p01": 0.99}, "15": {"mean": 0.98, "p01": 0.999}}
+    assert cosine_failures(per_layer, min_mean_cosine=1.0, min_p01_cosine=0.995) == [
+        "layer 2: mean cosine 0.999999 < 1.0",
+        "layer 2: p01 cosine 0.99000 < 0.995",
+        "layer 15: mean cosine 0.98000 < 1.0",
+    ]

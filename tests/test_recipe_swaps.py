@@ -49,7 +49,7 @@ def test_each_swap_trains_with_its_setting(swaps, tiny_pipeline, tmp_path):
     swaps.main(argv)
     summary = json.loads((out / "summary.json").read_text())
     baseline = summary["baseline"]
-    assert baseline["train"]["max_steps"] == 50 and baseline["vocab"]["draft_vocab_size"] == 2048
+    assert baseline["train"]["max_steps"] == 30 and baseline["vocab"]["draft_vocab_size"] == 2048
     assert summary["swaps"]["train.max_steps=3"]["val"]["step"] == 3
     assert baseline["val"]["step"] > 3
     draft = out / "vocab.draft_vocab_size-64" / "draft"

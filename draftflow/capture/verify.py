@@ -46,12 +46,22 @@ def cosine_summary(cosines: torch.Tensor, layer_ids: list[int]) -> dict[str, dic
     return summary
 
 
+def below(value: float, threshold: float) -> str:
+    """``value`` with the fewest decimals (5 or more) that still show it below ``threshold``: a
+    float32 capture can miss a threshold of 1.0 by less than 0.000005."""
+    for decimals in range(5, 17):
+        text = f"{value:.{decimals}f}"
+        if float(text) < threshold:
+            return text
+    return repr(value)
+
+
 def cosine_failures(
     per_layer: dict[str, dict[str, float]], min_mean_cosine: float, min_p01_cosine: float
 ) -> list[str]:
     """Each layer whose mean or 1st-percentile token cosine is below its threshold, as a line."""
     return [
-        f"layer {layer}: {stat} cosine {values[stat]:.5f} < {threshold}"
+        f"layer {layer}: {stat} cosine {below(values[stat], threshold)} < {threshold}"
         for layer, values in per_layer.items()
         for stat, threshold in (("mean", min_mean_cosine), ("p01", min_p01_cosine))
         if values[stat] < threshold

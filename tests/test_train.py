@@ -498,3 +498,14 @@ def test_muon_orthogonalizes_in_float32_as_torch_does_in_bf16():
         assert ours.dtype == torch.float32 and ours.shape == grad.shape
         # five bf16 iterations drift ~2 % from the float32 result (measured 1.6-1.8 %)
         assert (ours - torchs).norm() < 0.03 * torchs.norm()
+
+
+def test_auto_precision_is_bf16_where_the_device_multiplies_it_natively():
+    from draftflow.hardware import cpu_has_native_bf16
+    from draftflow.train.distributed import uses_bf16
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert uses_bf16(gpu, "auto") and not uses_bf16(gpu, "fp32")
+    assert uses_bf16(cpu, "bf16") and not uses_bf16(cpu, "fp32")
+    # A CPU that emulates bf16 trains in fp32 (a bf16 GEMM 9x slower there).
+    assert uses_bf16(cpu, "auto") == cpu_has_native_bf16()

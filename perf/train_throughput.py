@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--gpus", type=int, default=0, help="> 1: data parallel under torchrun")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument(
         "--store-dtype",
         default="bfloat16",
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint_every=10**9,
             threads=args.threads,
             precision=args.precision,
+            optimizer=args.optimizer,
         )
         job = TrainJob(
             target_dir=args.target,
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         "gpus": args.gpus,
         "threads": args.threads,
         "precision": args.precision,
+        "optimizer": args.optimizer,
         "store_dtype": args.store_dtype,
         "tokens_per_batch": args.tokens_per_batch,
         "draft_vocab": args.draft_vocab,

@@ -275,7 +275,7 @@ class _OutputTail:
 
 def platform_dtype(kwargs: Mapping[str, Any], cpu: bool, native_bf16: bool) -> str | None:
     """The dtype for an engine whose ``kwargs`` leave it to vLLM ("auto": the checkpoint's, bf16
-    for most): float32 on a CPU without native bf16, where emulated bf16 GEMMs make a prefill 7x
+    for most): float32 on a CPU without native bf16, where emulated bf16 GEMMs make a prefill 8x
     slower; None where vLLM's choice stands (GPUs, bf16-capable CPUs, a dtype set explicitly)."""
     if kwargs.get("dtype") not in (None, "auto"):
         return None

@@ -51,7 +51,7 @@ def reduce_sum(metrics: dict[str, torch.Tensor], placement: Placement) -> dict[s
 
 def uses_bf16(device: torch.device, precision: str) -> bool:
     """train.precision: auto = bf16 autocast on GPUs (speculators' default) and on CPUs with
-    native bf16 (AMX), fp32 on other CPUs (they emulate bf16: a GEMM 9x slower than fp32)."""
+    native bf16 (AMX), fp32 on other CPUs (they emulate bf16: a GEMM of the draft's shape 90x slower than fp32)."""
     if precision != "auto":
         return precision == "bf16"
     return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())

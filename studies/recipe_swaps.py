@@ -142,16 +142,7 @@ def run(args: argparse.Namespace) -> None:
 
     workdir = args.workdir.resolve()
     config = workdir_config(workdir, tuple(args.configfiles))
-    summary: dict[str, Any] = {
-        "workdir": str(workdir),
-        "baseline": {
-            "train": config["train"],
-            "vocab": config["vocab"],
-            "val": last_val(workdir / "results" / "train" / "metrics.jsonl"),
-            "bench": read_speculative_rows(workdir / "results" / "bench"),
-        },
-        "swaps": {},
-    }
+    summary: dict[str, Any] = {"workdir": str(workdir), "swaps": {}}
     for swap in args.swap:
         out = args.out.resolve() / swap_name(swap)
         done = out / "done.json"
@@ -168,6 +159,13 @@ def run(args: argparse.Namespace) -> None:
         if args.bench_ks:
             summary["swaps"][swap]["bench"] = bench_variant(workdir, config, out, args.bench_ks)
         print(swap, json.dumps(summary["swaps"][swap]), flush=True)
+    # Read last: the variants can train while the workdir's own bench still runs.
+    summary["baseline"] = {
+        "train": config["train"],
+        "vocab": config["vocab"],
+        "val": last_val(workdir / "results" / "train" / "metrics.jsonl"),
+        "bench": read_speculative_rows(workdir / "results" / "bench"),
+    }
     atomic_write_json(args.out / "summary.json", summary)
 
 

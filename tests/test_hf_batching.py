@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -115,21 +113,3 @@ def test_bf16_batched_is_close_to_fp32(bf16, layer_ids, prompts, reference):
     for layer, values in summary.items():
         assert values["mean"] >= MIN_MEAN_COSINE, (layer, values)
         assert values["p01"] >= MIN_P01_COSINE, (layer, values)
-
-
-def test_cpu_speed_up(bf16):
-    # Small, so that the test stays fast on 2 busy cores; the GPU gain is far larger.
-    count, length = 16, 64
-    prompts = make_prompts([length] * count, seed=2)
-    tokens = count * length
-    bf16.capture(prompts[:2])  # warm-up
-    start = time.perf_counter()
-    one_at_a_time(bf16, prompts)
-    single_s = time.perf_counter() - start
-    start = time.perf_counter()
-    bf16.capture(prompts)
-    batched_s = time.perf_counter() - start
-    print(
-        f"hf bf16 CPU, {count} x {length} tokens: one at a time {tokens / single_s:.0f} tok/s, "
-        f"batched {tokens / batched_s:.0f} tok/s, speed-up {single_s / batched_s:.2f}x"
-    )

@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 from workdir_study import add_run_parser, workdir_config
 
-CONFIG_FILES = ("config/config.yaml",)
+CONFIG_FILES: tuple[str, ...] = ()  # the demo: config/config.yaml alone
 SECTIONS = ("train", "vocab")
 
 

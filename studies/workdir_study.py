@@ -12,6 +12,10 @@ from typing import Any
 TARGET = Path("resources/target")
 
 
+# The Snakefile's own ``configfile:``; Snakemake merges every ``--configfile`` over it.
+WORKFLOW_CONFIG = "config/config.yaml"
+
+
 def add_run_parser(commands: Any, config_files: tuple[str, ...]) -> argparse.ArgumentParser:
     """The ``run`` subcommand with ``--workdir``, ``--out`` and ``--configfiles`` (defaulting
     to ``config_files``); the study adds its own options."""
@@ -20,19 +24,27 @@ def add_run_parser(commands: Any, config_files: tuple[str, ...]) -> argparse.Arg
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--configfiles",
-        nargs="+",
+        nargs="*",
         default=list(config_files),
-        help="the workdir's config files, in the order its Snakemake run merged them",
+        help=f"the --configfile arguments of the workdir's Snakemake run, in order "
+        f"({WORKFLOW_CONFIG}, which the Snakefile loads first, is always merged first)",
     )
     return parser
 
 
+def workdir_files(files: tuple[str, ...]) -> list[str]:
+    """The config files in the order the workdir's Snakemake run merged them: the Snakefile's
+    own first, then ``files``. Without it every key the overlays leave out would fall back to
+    the schema's default, not the workflow's (a GPU study once trained with AdamW that way)."""
+    return [WORKFLOW_CONFIG, *(name for name in files if name != WORKFLOW_CONFIG)]
+
+
 def workdir_config(workdir: Path, files: tuple[str, ...]) -> dict[str, Any]:
-    """The workdir's config as its Snakemake run saw it: the files merged in order, validated,
-    defaults filled."""
+    """The workdir's config as its Snakemake run saw it: ``workdir_files`` merged in order,
+    validated, defaults filled."""
     from draftflow.config import load_config
 
-    return load_config(*(workdir / name for name in files))
+    return load_config(*(workdir / name for name in workdir_files(files)))
 
 
 def bench_draft(

@@ -85,3 +85,18 @@ def test_a_variant_is_benched_as_the_workdir_benches_its_draft(swaps, tiny_pipel
             assert 1.0 <= row["acceptance_length"] <= 2.0
             assert row["lossless"] in ("identical", "near-ties only")
         assert (out / "train.max_steps-3" / "bench" / f"{name}.csv").exists()
+
+
+def test_the_workdirs_config_starts_from_the_snakefiles_own(swaps, repo_root):
+    """An overlay alone must not fall back to the schema's defaults where config/config.yaml
+    sets a key (the GPU example leaves train.optimizer to it: Muon, not the schema's AdamW)."""
+    from workdir_study import workdir_config, workdir_files
+
+    example = "config/examples/smollm2-gpu.yaml"
+    assert workdir_files((example, "curve.yaml")) == ["config/config.yaml", example, "curve.yaml"]
+    assert workdir_files(("config/config.yaml", example)) == ["config/config.yaml", example]
+    config = workdir_config(repo_root, (example,))
+    assert config["train"]["optimizer"] == "muon"
+    assert config["bench"]["repeats"] == 1
+    assert config["corpus"]["max_conversations"] == 2560  # the example's own
+    assert swaps.CONFIG_FILES == ()

@@ -125,3 +125,22 @@ def test_the_runs_on_record_plot_together(curve, tmp_path):
     assert all(point["bench"] for point in points)
     third = json.loads(runs[2].read_text())["points"]
     assert points[1:] == third  # the third run's 1,280 and 2,560 replace the earlier ones
+
+
+def test_run_benches_only_the_ks_it_is_given(curve, tmp_path, monkeypatch):
+    """``run --ks 3``: the size's overlay benches k = 3 alone (two engines: the plain target and
+    k = 3), and Snakemake is called on that overlay over the GPU example."""
+    import yaml
+
+    calls = []
+    monkeypatch.setattr(curve.subprocess, "run", lambda command, **kw: calls.append((command, kw)))
+    curve.main(["run", "--work", str(tmp_path), "--sizes", "64", "--ks", "3", "--epochs", "2"])
+    workdir = tmp_path / "64"
+    overlay = yaml.safe_load((workdir / curve.OVERLAY).read_text())
+    assert overlay["bench"]["num_speculative_tokens"] == [3]
+    assert overlay["train"]["epochs"] == 2
+    ((command, options),) = calls
+    assert command[command.index("--configfile") + 1 :][:2] == [curve.BASE_CONFIG, curve.OVERLAY]
+    assert options["cwd"] == workdir and options["check"] is True
+    # Without --ks, every k of the curve.
+    assert curve.overlay(64, per_shard=4000)["bench"]["num_speculative_tokens"] == curve.KS

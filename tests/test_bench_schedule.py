@@ -1,14 +1,17 @@
 """The bench engines side by side or one at a time (draftflow.bench.schedule): which one a
-config gets, the refusal at start where the engines cannot share the memory, and a real run of
-two engines one after the other on the tiny workflow's target and draft."""
+config gets, the refusal at start where the engines cannot share the memory, a real run of two
+engines one after the other on the tiny workflow's target and draft, and the tiny workflow's own
+bench, whose engines start together."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
-from workflow_support import copy_workflow, run_snakemake, tiny_config, write_config
+from workflow_support import copy_workflow, read_config, run_snakemake, tiny_config, write_config
 
 from draftflow.bench.schedule import (
     IN_TURN,
@@ -79,8 +82,12 @@ def test_shipped_configs_schedule(config, expected):
 def test_workflow_refuses_engines_that_cannot_share_at_start(tmp_path):
     workdir = copy_workflow(tmp_path / "workflow")
     config = tiny_config()
+    # in_turn: tests/configs/tiny.yaml starts its engines together, which needs the bytes.
     config["bench"].update(
-        schedule="side_by_side", gpu_memory_utilization=0.5, kv_cache_memory_bytes=None
+        schedule="side_by_side",
+        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=None,
+        starts="in_turn",
     )
     write_config(workdir, config)
     result = run_snakemake(workdir, "-n", check=False, timeout=300)
@@ -145,15 +152,32 @@ def test_engines_one_at_a_time_on_the_tiny_workflow(tiny_pipeline, tmp_path, cap
     assert results[1]["runs"][0]["num_drafts"] > 0
 
 
+# The bench's own engine events in the bench job's log (vLLM's lines come between them).
+ENGINE_EVENT = re.compile(
+    r" draftflow\.bench\.rounds: (starting engine k=\d+|engine k=\d+ ready|stopped engine k=\d+)$"
+)
+
+
 @pytest.mark.vllm
-def test_engines_started_together_on_the_tiny_workflow(tiny_pipeline, tmp_path, caplog):
-    """bench.starts together: k = 0 and k = 1 both start before either is ready, then are
-    timed side by side as usual."""
-    prompts = [{"id": "a", "turns": ["Name three colours."]}]
-    results, events = run_engine_pair(
-        tiny_pipeline, tmp_path, caplog, prompts, max_tokens=8, starts=TOGETHER
+def test_engines_started_together_on_the_tiny_workflow(tiny_pipeline):
+    """bench.starts together (tests/configs/tiny.yaml): the workflow's bench job starts every
+    engine (k = 0, 1, 2) before any is ready, then times them side by side as usual; its log
+    (logs/bench/engines.log) and its results are the record."""
+    bench = read_config(tiny_pipeline)["bench"]
+    assert bench["starts"] == TOGETHER
+    ks = [0, *bench["num_speculative_tokens"]]
+    assert len(ks) >= 2
+    log = (tiny_pipeline / "logs" / "bench" / "engines.log").read_text()
+    events = [match.group(1) for match in map(ENGINE_EVENT.search, log.splitlines()) if match]
+    count = len(ks)
+    assert events[:count] == [f"starting engine k={k}" for k in ks], events
+    assert sorted(events[count : 2 * count]) == [f"engine k={k} ready" for k in ks], events
+    assert sorted(events[2 * count : 3 * count]) == [f"stopped engine k={k}" for k in ks], events
+    assert f"bench schedule: {SIDE_BY_SIDE} ({ks})" in log
+    engines = tiny_pipeline / "results" / "bench" / "engines"
+    results = {k: json.loads((engines / f"k{k}.json").read_text()) for k in ks}
+    assert {k: result["schedule"] for k, result in results.items()} == dict.fromkeys(
+        ks, SIDE_BY_SIDE
     )
-    assert events[:2] == ["starting engine k=0", "starting engine k=1"], events
-    assert sorted(events[2:4]) == ["engine k=0 ready", "engine k=1 ready"], events
-    assert results[1]["schedule"] == SIDE_BY_SIDE
-    assert results[1]["runs"][0]["num_drafts"] > 0
+    for k in ks[1:]:
+        assert all(run["num_drafts"] > 0 for run in results[k]["runs"]), k

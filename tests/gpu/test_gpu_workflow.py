@@ -22,8 +22,9 @@ def test_tiny_workflow_on_the_gpu(tmp_path, smollm2_dir):
     config["extract"].update(use_gpu=True, gpu_memory_utilization=0.2)
     config["extract"].pop("kv_cache_memory_bytes", None)
     config["resources"]["train_gpus"] = 1
-    # The three bench engines (k = 0, 1, 2) are alive at once: 0.2 of the GPU each.
-    config["bench"].update(gpu_memory_utilization=0.2, kv_cache_memory_bytes=None)
+    # The three bench engines (k = 0, 1, 2) are alive at once: 0.2 of the GPU each, sized by
+    # profiling the free memory, so they start in turn (tests/configs/tiny.yaml: together).
+    config["bench"].update(gpu_memory_utilization=0.2, kv_cache_memory_bytes=None, starts="in_turn")
     write_config(workdir, config)
     run_snakemake(workdir, "--cores", "8", "--resources", "gpu=1", timeout=1500)
 

@@ -280,6 +280,22 @@ def test_bench_counters_are_consistent(bench_run):
 
 
 @pytest.mark.vllm
+def test_a_random_draft_is_not_accepted(bench_run):
+    """The control of tests/test_train.py::test_trained_draft_is_accepted_in_vllm (τ > 1.6
+    there): the randomly initialised draft proposes tokens at every k, and the target rejects
+    nearly all of them (τ < 1.3) on every prompt set."""
+    _, out = bench_run
+    for dataset in ("mtbench", "humaneval"):
+        drafted = pd.read_csv(out / f"{dataset}.csv").query("k > 0")
+        assert sorted(drafted["k"]) == [1, 1, 2, 2], dataset
+        assert (drafted["num_drafts"] > 0).all(), dataset
+        assert (drafted["acceptance_length"] < 1.3).all(), (
+            dataset,
+            drafted[["k", "run", "acceptance_length"]],
+        )
+
+
+@pytest.mark.vllm
 def test_bench_greedy_outputs_are_lossless(bench_run):
     table, out = bench_run
     assert table["outputs_identical"].all(), table[["k", "first_difference"]]

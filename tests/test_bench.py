@@ -1,9 +1,9 @@
 """Bench stage: prompt sets, counters, losslessness, and a real vLLM run with an EAGLE-3 draft.
 
 The engine test builds a randomly initialised speculators-format EAGLE-3 draft for SmolLM2 and
-starts three engines side by side (plain target, k = 1, k = 2) once per session; each engine
-serves two prompt sets (MT-bench and HumanEval), prompt by prompt in turn with the others, in two
-rounds.
+starts three engines together (plain target, k = 1, k = 2) once per session; side by side, each
+engine serves two prompt sets (MT-bench and HumanEval), prompt by prompt in turn with the others,
+in two rounds.
 """
 
 from __future__ import annotations
@@ -205,21 +205,22 @@ def random_draft_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Plain target, k = 1 and k = 2 (three engines at once), each on three two-turn MT-bench
-    prompts and two HumanEval prompts, one conversation at a time, two rounds."""
+    """Plain target, k = 1 and k = 2 (three engines at once, started together), each on two
+    two-turn MT-bench prompts and one HumanEval prompt, one conversation at a time, two rounds."""
     out = tmp_path_factory.mktemp("bench")
     tables = run_benchmark(
         prompt_sets={
-            "mtbench": load_prompts("mtbench", MTBENCH, "mtbench", limit=3),
-            "humaneval": load_prompts("humaneval", HUMANEVAL, "humaneval", limit=2),
+            "mtbench": load_prompts("mtbench", MTBENCH, "mtbench", limit=2),
+            "humaneval": load_prompts("humaneval", HUMANEVAL, "humaneval", limit=1),
         },
         target=str(smollm2_dir),
         draft=str(random_draft_dir),
         ks=[1, 2],
         out_dir=out,
-        max_tokens=24,
+        max_tokens=16,
         warmup_tokens=4,
         repeats=2,
+        starts="together",
         engine={
             "max_model_len": 1024,
             "max_num_seqs": 1,
@@ -252,8 +253,8 @@ def test_bench_csv_has_every_column_filled(bench_run):
     # The plain target has no draft: only the acceptance rate is undefined there.
     plain = table[table["k"] == 0].drop(columns=["acceptance_rate"])
     assert not plain.isna().any().any(), plain.isna().sum()
-    assert (table["num_prompts"] == 3).all()
-    assert (table["num_requests"] == 6).all()  # two turns each
+    assert (table["num_prompts"] == 2).all()
+    assert (table["num_requests"] == 4).all()  # two turns each
     assert (table["output_tokens"] > 0).all()
     assert (table["tokens_per_s"] > 0).all()
     assert (table["tpot_ms"] > 0).all()
@@ -301,7 +302,7 @@ def test_bench_greedy_outputs_are_lossless(bench_run):
     assert table["outputs_identical"].all(), table[["k", "first_difference"]]
     assert (table["num_requests_differ"] == 0).all()
     records = [json.loads(line) for line in (out / "mtbench" / "outputs.jsonl").open()]
-    assert len(records) == 3 * 2 * 3  # three configurations x two rounds x three prompts
+    assert len(records) == 3 * 2 * 2  # three configurations x two rounds x two prompts
     by_config: dict[int, dict[str, list[list[int]]]] = {}
     for record in records:
         assert [t["turn"] for t in record["turns"]] == [0, 1]
@@ -316,8 +317,8 @@ def test_one_engine_serves_every_prompt_set(bench_run):
     _, out = bench_run
     humaneval = pd.read_csv(out / "humaneval.csv")
     assert sorted(humaneval["k"]) == [0, 0, 1, 1, 2, 2]
-    assert (humaneval["num_prompts"] == 2).all()
-    assert (humaneval["num_requests"] == 2).all()  # one turn each
+    assert (humaneval["num_prompts"] == 1).all()
+    assert (humaneval["num_requests"] == 1).all()  # one turn
     assert humaneval["outputs_identical"].all()
     for k in (0, 1, 2):
         result = json.loads((out / "engines" / f"k{k}.json").read_text())
@@ -359,11 +360,11 @@ def test_every_engine_times_the_same_units_in_every_round(bench_run):
     _, out = bench_run
     units = pd.read_csv(out / "mtbench" / "units.csv")
     assert list(units.columns) == UNIT_COLUMNS
-    # At batch 1 a unit is one conversation: 3 prompts x 2 rounds x 3 engines.
-    assert len(units) == 3 * 2 * 3
+    # At batch 1 a unit is one conversation: 2 prompts x 2 rounds x 3 engines.
+    assert len(units) == 2 * 2 * 3
     cells = {k: sorted(zip(g["run"], g["unit"], strict=True)) for k, g in units.groupby("k")}
     assert cells[0] == cells[1] == cells[2]
-    assert sorted(units["unit"].unique()) == ["mtbench-81", "mtbench-82", "mtbench-83"]
+    assert sorted(units["unit"].unique()) == ["mtbench-81", "mtbench-82"]
     assert (units["seconds"] > 0).all() and (units["output_tokens"] > 0).all()
     assert (units["decode_seconds"] > 0).all() and (units["decode_tokens"] > 0).all()
     assert ((units["num_drafts"] > 0) == (units["k"] > 0)).all()

@@ -11,7 +11,11 @@ that sets only what the curve varies or needs:
   "The quality curve's first point");
 - ``bench``: every MT-bench question (both turns) and every HumanEval problem, k = 1 … 5,
   greedy with the lossless check, 32 requests at a time (acceptance does not depend on it),
-  the six engines side by side with 0.14 of the GPU each.
+  the six engines side by side with 0.14 of the GPU each;
+- with ``--answer-tokens``, ``--turns``, ``--max-length``: how much of each conversation is
+  regenerated and kept (the example: one answer of at most 192 tokens, 448 in all), the lever
+  past the packaged ShareGPT file's 16,645 conversations; ``--store-dtype float8_e4m3fn``
+  halves the capture stores' disk.
 
 Subcommands::
 
@@ -19,6 +23,8 @@ Subcommands::
     python studies/quality_curve.py run --work W --sizes 640 1280 2560 --parallel \
         --engine-share 0.04 --engine-kv-gib 2  # every size at once on one GPU, 0.04 of it and
                                                # a 2 GiB KV cache per engine
+    python studies/quality_curve.py run --work W --sizes 4160 8320 16645 --parallel \
+        --turns 2 --answer-tokens 256 --max-length 1024 --store-dtype float8_e4m3fn
     python studies/quality_curve.py collect --work W --out docs/results/quality-curve.json \\
         --plot docs/quality-curve.png
     python studies/quality_curve.py plot --json A.json B.json --out curve.png   # runs together
@@ -61,13 +67,23 @@ def overlay(
     engine_kv_gib: float | None = None,
     epochs: int | None = None,
     ks: list[int] | None = None,
+    answer_tokens: int | None = None,
+    turns: int | None = None,
+    max_length: int | None = None,
+    store_dtype: str | None = None,
 ) -> dict:
     """The settings one size of the curve puts over the base config; ``engine_share``: the
     fraction of the GPU each vLLM engine takes (regenerate, extract, each bench engine), so that
     several sizes can run on one GPU at once; ``engine_kv_gib``: each engine's KV cache in GiB,
     so that no engine sizes it by profiling the memory that the other sizes' engines change
     (vLLM stops then), and the bench's engines can start together; ``epochs``: passes over the
-    train split (default: the example's); ``ks``: the bench's k (default: ``KS``)."""
+    train split (default: the example's); ``ks``: the bench's k (default: ``KS``).
+
+    The rest sets how much each conversation gives (default: the example's one answer of at
+    most 192 tokens in 448): ``answer_tokens``, the most tokens of one regenerated answer;
+    ``turns``, the assistant turns regenerated and kept; ``max_length``, the prompt + answers
+    tokens of a sample, in regeneration and in the samples; ``store_dtype``, the capture
+    store's dtype (float8_e4m3fn halves the disk that millions of tokens take)."""
     settings = {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
@@ -110,6 +126,18 @@ def overlay(
         settings["bench"]["starts"] = TOGETHER
     if epochs is not None:
         settings["train"]["epochs"] = epochs
+    regenerate = settings["corpus"].setdefault("regenerate", {})
+    if answer_tokens is not None:
+        regenerate["max_tokens"] = answer_tokens
+    if turns is not None:
+        regenerate["max_turns"] = turns
+    if max_length is not None:
+        regenerate["max_model_len"] = max_length
+        settings.setdefault("tokenize", {})["max_length"] = max_length
+    if store_dtype is not None:
+        settings["extract"]["store_dtype"] = store_dtype
+    if not regenerate:
+        del settings["corpus"]["regenerate"]
     return settings
 
 
@@ -155,6 +183,10 @@ def run(args: argparse.Namespace) -> None:
             engine_kv_gib=args.engine_kv_gib,
             epochs=args.epochs,
             ks=args.ks,
+            answer_tokens=args.answer_tokens,
+            turns=args.turns,
+            max_length=args.max_length,
+            store_dtype=args.store_dtype,
         )
         command = [
             sys.executable,
@@ -360,6 +392,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     run_parser.add_argument(
         "--ks", type=int, nargs="+", help=f"bench these k (default: {' '.join(map(str, KS))})"
+    )
+    run_parser.add_argument(
+        "--answer-tokens", type=int, help="most tokens of one regenerated answer (example: 192)"
+    )
+    run_parser.add_argument(
+        "--turns", type=int, help="assistant turns regenerated per conversation (example: 1)"
+    )
+    run_parser.add_argument(
+        "--max-length", type=int, help="prompt + answers tokens of a sample (example: 448)"
+    )
+    run_parser.add_argument(
+        "--store-dtype",
+        choices=["bfloat16", "float8_e4m3fn"],
+        help="capture store dtype (default: the example's, bfloat16)",
     )
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
     collect_parser = sub.add_parser("collect")

@@ -144,3 +144,33 @@ def test_run_benches_only_the_ks_it_is_given(curve, tmp_path, monkeypatch):
     assert options["cwd"] == workdir and options["check"] is True
     # Without --ks, every k of the curve.
     assert curve.overlay(64, per_shard=4000)["bench"]["num_speculative_tokens"] == curve.KS
+
+
+def test_longer_conversations_reach_regeneration_samples_and_store(curve, tmp_path, monkeypatch):
+    """``run --turns 2 --answer-tokens 256 --max-length 1024 --store-dtype float8_e4m3fn``: what
+    Snakemake's merged config gives regeneration, the samples and the capture store; a size
+    without them keeps the example's one answer of at most 192 tokens in 448, in bf16."""
+    from draftflow.config import load_config
+
+    monkeypatch.setattr(curve.subprocess, "run", lambda command, **kw: None)
+    longer = ["--turns", "2", "--answer-tokens", "256", "--max-length", "1024"]
+    longer += ["--store-dtype", "float8_e4m3fn"]
+    curve.main(["run", "--work", str(tmp_path / "long"), "--sizes", "64", *longer])
+    curve.main(["run", "--work", str(tmp_path / "plain"), "--sizes", "64"])
+
+    def merged(work: Path) -> dict:
+        workdir = work / "64"
+        files = ("config/config.yaml", curve.BASE_CONFIG, curve.OVERLAY)
+        return load_config(*(workdir / name for name in files))
+
+    config = merged(tmp_path / "long")
+    regenerate = config["corpus"]["regenerate"]
+    assert (regenerate["max_turns"], regenerate["max_tokens"]) == (2, 256)
+    assert regenerate["max_model_len"] == config["tokenize"]["max_length"] == 1024
+    assert config["extract"]["store_dtype"] == "float8_e4m3fn"
+    assert regenerate["batch_size"] == 1024  # the example's, kept
+    config = merged(tmp_path / "plain")
+    regenerate = config["corpus"]["regenerate"]
+    assert (regenerate["max_turns"], regenerate["max_tokens"]) == (1, 192)
+    assert regenerate["max_model_len"] == config["tokenize"]["max_length"] == 448
+    assert config["extract"]["store_dtype"] == "bfloat16"

@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus", type=int, default=0, help="> 1: data parallel under torchrun")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     parser.add_argument(
+        "--attn-impl",
+        default="auto",
+        choices=["auto", "packed_sdpa", "sdpa"],
+        help="draft attention (auto: flex attention on GPUs, packed_sdpa on the CPU)",
+    )
+    parser.add_argument(
         "--store-dtype",
         default="bfloat16",
         choices=["bfloat16", "float8_e4m3fn"],
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             threads=args.threads,
             precision=args.precision,
             optimizer=args.optimizer,
+            attn_impl=args.attn_impl,
         )
         job = TrainJob(
             target_dir=args.target,
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "precision": args.precision,
         "optimizer": args.optimizer,
+        "attn_impl": args.attn_impl,
+        "sample_length": args.sample_length,
         "store_dtype": args.store_dtype,
         "tokens_per_batch": args.tokens_per_batch,
         "draft_vocab": args.draft_vocab,

@@ -445,6 +445,27 @@ def test_bad_train_settings_are_named(section, message):
         from_section(TrainSettings, section, "train")
 
 
+def test_packed_attention_trains_as_dense_attention(tiny_store, tmp_path):
+    """The CPU's default draft attention (``auto``: SDPA one packed sample at a time) against
+    SDPA over the whole packed step: the same losses and accuracies step by step, within
+    float32 rounding, on steps that pack several samples."""
+    from draftflow.train.attention import PACKED_SDPA
+    from draftflow.train.model import resolve_attn_impl
+
+    assert resolve_attn_impl("auto", torch.device("cpu")) == PACKED_SDPA
+    settings = {"max_steps": 4, "tokens_per_batch": 512, "log_every": 1, "eval_every": 4}
+    runs = {}
+    for attention in ("auto", "sdpa"):
+        job = _job(tiny_store, tmp_path / attention, attn_impl=attention, **settings)
+        train(job)
+        runs[attention] = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
+    packed, dense = runs["auto"], runs["sdpa"]
+    assert [r["step"] for r in packed] == [r["step"] for r in dense] == list(range(1, 5))
+    for a, b in zip(packed, dense, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["full_acc"] == pytest.approx(b["full_acc"], abs=1e-6)
+
+
 def test_sync_free_accuracy_counts_match_speculators():
     # draftflow.train.model._accuracy_counts replaces speculators' masked_select version (a GPU
     # wait per TTT step); it must give the same four counts and update prev_correct the same way.

@@ -15,15 +15,17 @@ import torch
 
 from draftflow.capture.layers import text_config
 from draftflow.io import read_json
+from draftflow.train.attention import PACKED_SDPA, register_packed_sdpa
 
 log = logging.getLogger(__name__)
 
 
 def resolve_attn_impl(attn_impl: str, device: torch.device) -> str:
-    """Flex attention needs a compiled kernel to be fast: GPUs only. SDPA on the CPU."""
+    """Flex attention needs a compiled kernel to be fast: GPUs only. On the CPU SDPA, one
+    packed sample at a time (``draftflow.train.attention``)."""
     if attn_impl != "auto":
         return attn_impl
-    return "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    return "simple_flex_attention" if device.type == "cuda" else PACKED_SDPA
 
 
 def build_draft_model(
@@ -58,6 +60,8 @@ def build_draft_model(
         full_attention_indices=list(range(num_layers)),
         trust_remote_code=trust_remote_code,
     )
+    if attn_impl == PACKED_SDPA:
+        register_packed_sdpa()
     # speculators' eagle3 defaults (norm_before_residual, norm_before_fc, norm_output on).
     return Eagle3DraftModel.from_training_args(
         verifier_config=layer_config,

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULERS = ("cosine", "linear", "none")
-ATTN_IMPLS = ("auto", "sdpa", "eager", "simple_flex_attention")
+ATTN_IMPLS = ("auto", "packed_sdpa", "sdpa", "eager", "simple_flex_attention")
 LOSS_IMPLS = ("auto", "eager", "fused")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -287,6 +288,62 @@ def test_killed_run_resumes_bit_identical(tiny_store, tmp_path, optimizer):
     # The metrics log reads as one run: every step once.
     steps = [r["step"] for r in read_metrics(resumed.metrics_path) if r["kind"] == "train"]
     assert steps == list(range(1, len(steps) + 1))
+
+
+def _delete_outputs_as_snakemake_does(job: TrainJob) -> None:
+    """What Snakemake does before it reruns rule train: its declared outputs go, checkpoints stay."""
+    Path(job.metrics_path).unlink(missing_ok=True)
+    shutil.rmtree(job.draft_dir, ignore_errors=True)
+
+
+def test_metrics_survive_a_kill_after_the_first_checkpoint(tiny_store, tmp_path):
+    """Issue 39: killed after a checkpoint, its outputs deleted, the job keeps its whole curve."""
+    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 3}
+    straight = _job(tiny_store, tmp_path / "straight", **settings)
+    train(straight)
+    want = read_metrics(straight.metrics_path)
+    assert [r["step"] for r in want if r["kind"] == "val"] == [0, 3, 6, 9, 12]
+
+    killed = _job(tiny_store, tmp_path / "killed", **settings)
+    process = _run_cli(killed, tmp_path / "job.json")
+    while process.poll() is None:  # SIGKILL once the first checkpoint is on disk
+        if latest_checkpoint(killed.checkpoint_dir) is not None:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the job ended before it could be killed"
+    resumed_from = int(latest_checkpoint(killed.checkpoint_dir).name.removeprefix("step-"))
+    assert 4 <= resumed_from < 12
+    _delete_outputs_as_snakemake_does(killed)
+
+    train(killed)
+    got = read_metrics(killed.metrics_path)
+    # The same records in the same order, bit-identical but for the wall-clock field.
+    assert _untimed(got) == _untimed(want)
+    assert [r["step"] for r in got if r["kind"] == "val"] == [0, 3, 6, 9, 12]
+
+
+def test_forced_rerun_of_a_finished_job_trains_from_scratch(tiny_store, tmp_path, caplog):
+    """Issue 39: a rerun of a finished job (--forcerun, which deletes its outputs too) does not
+    resume from the checkpoints the finished run left; it equals a fresh run."""
+    settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 6}
+    fresh = _job(tiny_store, tmp_path / "fresh", **settings)
+    train(fresh)
+    job = _job(tiny_store, tmp_path / "forced", **settings)
+    train(job)
+    assert latest_checkpoint(job.checkpoint_dir).name == "step-00000008"
+    assert (Path(job.checkpoint_dir) / "COMPLETE").is_file()
+
+    _delete_outputs_as_snakemake_does(job)
+    with caplog.at_level("WARNING", logger="draftflow.train.checkpoint"):
+        train(job)
+    assert "previous run of this job finished" in caplog.text
+    assert _untimed(read_metrics(job.metrics_path)) == _untimed(read_metrics(fresh.metrics_path))
+    assert sha256_file(Path(job.draft_dir) / "model.safetensors") == sha256_file(
+        Path(fresh.draft_dir) / "model.safetensors"
+    )
+    assert (Path(job.checkpoint_dir) / "COMPLETE").is_file()
 
 
 def test_train_on_a_disk_that_fills_keeps_its_checkpoint_and_resumes_to_the_same_bytes(

@@ -9,6 +9,11 @@
 
 A checkpoint is written to a hidden temporary directory and renamed into place, then
 ``latest.json`` is replaced atomically: a kill at any moment leaves the previous checkpoint valid.
+
+Beside them, ``metrics.jsonl`` is the metrics log's history (see ``metrics.MetricsLog``), and
+``COMPLETE`` is written when a run has exported its draft. A run that finds ``COMPLETE`` is not
+resuming a killed job: its predecessor finished, so Snakemake reruns it on purpose (``--forcerun``,
+changed inputs or code), and it trains from scratch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ from draftflow.train.job import TrainJob
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
+METRICS_HISTORY = "metrics.jsonl"
+COMPLETE = "COMPLETE"
+
+
+def metrics_history(checkpoint_dir: str | os.PathLike[str]) -> Path:
+    return Path(checkpoint_dir) / METRICS_HISTORY
+
+
+def mark_complete(checkpoint_dir: str | os.PathLike[str], step: int) -> None:
+    """Record that the run finished (written after the export; read by :func:`resume`)."""
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(checkpoint_dir) / COMPLETE, {"step": step})
 
 
 def step_dir_name(step: int) -> str:
@@ -159,19 +176,35 @@ def shard_digest(shard_dir: str) -> str:
 
 
 def resume(job: TrainJob, model, optimizers, identity: dict, placement: Placement) -> int:
-    """Load the newest checkpoint written under the same settings and data; return its step."""
-    path = latest_checkpoint(job.checkpoint_dir)
-    if path is None:
-        return 0
-    state = read_json(path / "state.json")
-    mismatched = [k for k in identity if state.get(k) != identity[k]]
-    if mismatched:
+    """Load the newest checkpoint written under the same settings and data; return its step.
+
+    Checkpoints of a run that finished (``COMPLETE``) or of other settings or data are removed,
+    and training starts from step 0.
+    """
+    root = Path(job.checkpoint_dir)
+    discard = None
+    path = latest_checkpoint(root)
+    if (root / COMPLETE).is_file():
+        discard = (
+            "the previous run of this job finished (COMPLETE), so this is a forced or changed "
+            "rerun, not a resume"
+        )
+    elif path is not None:
+        state = read_json(path / "state.json")
+        mismatched = [k for k in identity if state.get(k) != identity[k]]
+        if mismatched:
+            discard = f"{mismatched} changed"
+    if placement.world_size > 1:  # every rank decides before rank 0 removes anything
+        dist.barrier()
+    if discard is not None:
         if placement.is_main:
-            log.warning("discarding checkpoints in %s: %s changed", job.checkpoint_dir, mismatched)
-            shutil.rmtree(job.checkpoint_dir)
+            log.warning("discarding checkpoints in %s: %s; training from scratch", root, discard)
+            shutil.rmtree(root)
         if placement.world_size > 1:
             dist.barrier()
         return 0
-    load_checkpoint(path, model, optimizers)
+    if path is None:
+        return 0
+    state = load_checkpoint(path, model, optimizers)
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])

@@ -24,7 +24,13 @@ from draftflow.train.batching import (
     train_batches,
 )
 from draftflow.train.captures import CaptureSet, TrainPlan, collate, val_batches
-from draftflow.train.checkpoint import resume, save_checkpoint, shard_digest
+from draftflow.train.checkpoint import (
+    mark_complete,
+    metrics_history,
+    resume,
+    save_checkpoint,
+    shard_digest,
+)
 from draftflow.train.distributed import Placement, autocast, init_placement, reduce_sum
 from draftflow.train.export import export_draft
 from draftflow.train.job import TrainJob
@@ -133,7 +139,12 @@ def train(job: TrainJob) -> dict | None:
     }
     start = resume(job, model, optimizers, identity, placement)
 
-    metrics_log = MetricsLog(job.metrics_path, enabled=placement.is_main, keep_before=start)
+    metrics_log = MetricsLog(
+        job.metrics_path,
+        enabled=placement.is_main,
+        keep_before=start,
+        history=metrics_history(job.checkpoint_dir),
+    )
     if placement.world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             model,
@@ -250,6 +261,7 @@ def train(job: TrainJob) -> dict | None:
             "device": placement.device.type,
         }
         export_draft(raw_model, job, summary)
+        mark_complete(job.checkpoint_dir, plan.total_steps)
     if placement.world_size > 1:
         dist.barrier()
         dist.destroy_process_group()

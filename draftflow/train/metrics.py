@@ -9,6 +9,7 @@ were). Summing sums and totals over batches and ranks, then dividing, gives exac
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from draftflow.train.distributed import Placement
 from draftflow.train.settings import TrainSettings
 
 StepMetrics = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 def _ratio(counted: dict[str, float], name: str) -> float:
@@ -44,26 +47,56 @@ def summarize(kind: str, step: int, counted: dict[str, float], ttt_steps: int) -
 
 
 class MetricsLog:
-    """Append-only JSONL; a resumed run first drops the records after its checkpoint."""
+    """Append-only JSONL, written twice: the job's declared ``path`` and a ``history`` copy.
 
-    def __init__(self, path: str | os.PathLike[str], enabled: bool, keep_before: int) -> None:
+    Snakemake deletes a failed job's declared outputs before it reruns it, so the resumed run
+    rebuilds ``path`` from the history, which lives beside the checkpoints (not an output):
+    the records up to the resumed checkpoint's step are kept, later ones (written after it,
+    before the kill) dropped; the run appends from there.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        enabled: bool,
+        keep_before: int,
+        history: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.path = Path(path)
+        self.history = Path(history) if history is not None else None
         self.enabled = enabled
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[str] = []
-        if keep_before > 0 and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                record = _parsed(line)
-                if record is not None and record["step"] <= keep_before:
-                    kept.append(line)
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        if keep_before > 0:
+            source = self.history if self.history and self.history.exists() else self.path
+            if source.exists():
+                for line in source.read_text().splitlines():
+                    record = _parsed(line)
+                    if record is not None and record["step"] <= keep_before:
+                        kept.append(line)
+            restored = sum(1 for line in kept if json.loads(line)["kind"] == "train")
+            if restored != keep_before:
+                log.warning(
+                    "%s holds %d train records up to step %d: the curves miss the others",
+                    source,
+                    restored,
+                    keep_before,
+                )
+        text = "".join(line + "\n" for line in kept)
+        for target in self._targets():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(target, text)
+
+    def _targets(self) -> list[Path]:
+        return [self.path] if self.history is None else [self.path, self.history]
 
     def write(self, record: StepMetrics) -> None:
         if self.enabled:
-            with explain_disk_full(self.path), self.path.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
+            line = json.dumps(record, sort_keys=True) + "\n"
+            for target in self._targets():
+                with explain_disk_full(target), target.open("a", encoding="utf-8") as handle:
+                    handle.write(line)
 
 
 def _parsed(line: str) -> StepMetrics | None:

@@ -7,6 +7,7 @@ from snakemake.utils import validate
 validate(config, schema="../config/schema.yaml")
 
 from draftflow.bench.schedule import bench_schedule
+from draftflow.engine_settings import engine_settings
 
 # At start, not when the bench job runs hours later: engines that cannot share the memory.
 BENCH_SCHEDULE = bench_schedule(config["bench"])
@@ -48,6 +49,8 @@ def regenerate_settings():
     """The corpus.regenerate section (defaults from the schema), minus the on/off switch."""
     section = dict(config["corpus"]["regenerate"])
     del section["enabled"]
+    # null means tokenize.max_length: the engine gets the resolved length.
+    section["max_model_len"] = engine_settings(config, "regenerate").max_model_len
     return section
 
 
@@ -80,16 +83,14 @@ def mem_mb(stage):
 
 
 def extract_gpus():
-    return config["extract"]["tp_size"] if config["extract"]["use_gpu"] else 0
+    """GPUs of an extract job: engine.tensor_parallel_size on GPUs, none on the CPU build."""
+    return engine_settings(config, "extract").gpus
 
 
 def vllm_gpus():
-    """GPUs of a job that starts vLLM engines besides extract (regenerate, bench).
-
-    One vLLM build serves every stage, so they follow extract's switch: tp_size GPUs when
-    extract.use_gpu is on, none on the CPU demo.
-    """
-    return extract_gpus()
+    """GPUs of a job that starts vLLM engines besides extract (regenerate, bench): the same
+    engine section decides, so one vLLM build serves every stage."""
+    return engine_settings(config, "bench").gpus
 
 
 def train_gpus():
@@ -103,7 +104,12 @@ def train_threads():
 
 def extract_settings():
     """Every extract setting a capture job uses (num_shards shapes the DAG, not a job)."""
-    return {key: value for key, value in config["extract"].items() if key != "num_shards"}
+    engine = config["engine"]
+    return {
+        **{key: value for key, value in config["extract"].items() if key != "num_shards"},
+        "engine_device": engine["device"],
+        "tensor_parallel_size": engine["tensor_parallel_size"],
+    }
 
 
 # ---------------------------------------------------------------- bench and report

@@ -7,6 +7,7 @@ The engines run in a child process (draftflow.bench.engine), so no vLLM engine s
 
 from draftflow.bench.prompts import read_prompts
 from draftflow.bench.run import engine_request, request_settings, run_engines
+from draftflow.engine_settings import engine_settings
 from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging, target_dir
 
@@ -25,8 +26,8 @@ request = engine_request(
         settings,
         dtype=snakemake.params.dtype,
         trust_remote_code=snakemake.params.trust_remote_code,
-        # The job's GPUs (extract.tp_size when use_gpu is on): the target is sharded over them.
-        tensor_parallel_size=max(1, int(snakemake.resources.gpu)),
+        # engine.tensor_parallel_size: on GPUs the job's leased GPUs.
+        tensor_parallel_size=engine_settings(snakemake.config, "bench").tensor_parallel_size,
     ),
 )
 # The engines run in a child process: it inherits the leased CUDA_VISIBLE_DEVICES.

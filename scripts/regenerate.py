@@ -8,6 +8,7 @@ from draftflow.corpus.regenerate import (
     read_conversations,
     regenerate,
 )
+from draftflow.engine_settings import engine_settings
 from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging, target_dir
 
@@ -15,6 +16,7 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     log = setup_logging(snakemake)
     model_dir = target_dir(snakemake)
     settings = from_section(RegenerateSettings, snakemake.params.settings, "corpus.regenerate")
+    engine = engine_settings(snakemake.config, "regenerate")
     max_model_len = settings.max_model_len
     conversations = read_conversations(snakemake.input.conversations)
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
@@ -26,8 +28,8 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
             reserved_cpus=settings.reserved_cpus,
             trust_remote_code=snakemake.params.trust_remote_code,
             seed=settings.seed,
-            # The job's GPUs (extract.tp_size when use_gpu is on): the target is sharded over them.
-            tensor_parallel_size=max(1, int(snakemake.resources.gpu)),
+            # engine.tensor_parallel_size: on GPUs the job's leased GPUs.
+            tensor_parallel_size=engine.tensor_parallel_size,
         )
         regenerate(
             conversations,

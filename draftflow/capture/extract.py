@@ -57,8 +57,9 @@ class ExtractSettings:
 
     backend: str = "auto"
     aux_layers: list[int] | None = None
-    use_gpu: bool = False
-    tp_size: int = 1
+    # From the engine: section: "gpu" or "cpu", and GPUs per engine (the target sharded over them).
+    engine_device: str = "cpu"
+    tensor_parallel_size: int = 1
     # CPU threads of the job (the rule's threads:)
     threads: int = 2
     max_num_batched_tokens: int = 1024
@@ -82,13 +83,14 @@ class ExtractSettings:
 
     @property
     def device(self) -> str:
-        return "cuda" if self.use_gpu else "cpu"
+        """The torch device of the hf backend and the verification reference."""
+        return "cuda" if self.engine_device == "gpu" else "cpu"
 
     def engine(self, max_model_len: int) -> EngineSettings:
         """The capture engine's settings for samples of up to ``max_model_len`` - 1 tokens."""
         return EngineSettings(
             max_model_len=max_model_len,
-            tp_size=self.tp_size,
+            tp_size=self.tensor_parallel_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             gpu_memory_utilization=self.gpu_memory_utilization,

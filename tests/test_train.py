@@ -367,6 +367,7 @@ def test_train_on_a_disk_that_fills_keeps_its_checkpoint_and_resumes_to_the_same
     assert latest_checkpoint(job.checkpoint_dir).name == "step-00000004"
     assert sorted(p.name for p in Path(job.checkpoint_dir).iterdir()) == [
         "latest.json",
+        "metrics.jsonl",  # the metrics history (a resumed job rebuilds metrics.jsonl from it)
         "step-00000004",
     ]
     assert not Path(job.draft_dir).exists()

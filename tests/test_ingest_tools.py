@@ -184,3 +184,114 @@ def test_hermes_and_llama_tool_call_parsing() -> None:
     assert (llama.content, llama.tool_calls) == ("", [call("f", {"x": 1})])
     assert parse_tool_calls("{not json", "llama3_json").unparsed is True
     assert parse_tool_calls("Plain answer.", "llama3_json").tool_calls == []
+
+
+# ------------------------------------------------------------------ issue 39: held-out shapes
+
+CALC = {"type": "function", "function": {"name": "calculator", "arguments": {"expr": "2+2"}}}
+
+
+def _openai(*messages: dict) -> dict:
+    return {"messages": list(messages)}
+
+
+USER = {"role": "user", "content": "What is 2+2?"}
+ANSWER = {"role": "assistant", "content": "It is 4."}
+
+
+def test_tool_results_are_checked_against_the_calls(tmp_path: Path) -> None:
+    records = [
+        # a good round: kept
+        _openai(
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [{**CALC, "id": "call_1"}]},
+            {"role": "tool", "content": "4", "tool_call_id": "call_1"},
+            ANSWER,
+        ),
+        # tool_call_id naming no call
+        _openai(
+            {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": None, "tool_calls": [{**CALC, "id": "call_1"}]},
+            {"role": "tool", "content": "6", "tool_call_id": "call_9"},
+            {"role": "assistant", "content": "It is 6."},
+        ),
+        # a tool result before any call: user -> tool -> assistant
+        _openai(
+            {"role": "user", "content": "And 4+4?"},
+            {"role": "tool", "content": "8"},
+            {"role": "assistant", "content": "It is 8."},
+        ),
+        # two results for one call
+        _openai(
+            {"role": "user", "content": "And 5+5?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALC]},
+            {"role": "tool", "content": "10"},
+            {"role": "tool", "content": "10"},
+            {"role": "assistant", "content": "It is 10."},
+        ),
+        # a tool_call_id after a turn that called in its text only
+        _openai(
+            {"role": "user", "content": "And 6+6?"},
+            {"role": "assistant", "content": "calculator(6+6)"},
+            {"role": "tool", "content": "12", "tool_call_id": "call_1"},
+            {"role": "assistant", "content": "It is 12."},
+        ),
+    ]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    got, rejects, summary = run(tmp_path, ("oa", path))
+    assert list(got) == ["What is 2+2?"]
+    assert not rejects
+    dropped = summary["totals"]["dropped"]
+    assert dropped["tool_call_id_unmatched"] == 2
+    assert dropped["tool_result_without_call"] == 2
+    assert summary["totals"]["kept"] + summary["totals"]["dropped_total"] == len(records)
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "detail"),
+    [
+        (CALC, "messages[1].tool_calls is a dict, not a list"),
+        (json.dumps([CALC]), "messages[1].tool_calls is a str, not a list"),
+        (
+            [CALC, CALC, {"type": "function", "function": {"arguments": {}}}],
+            "messages[1].tool_calls[2]: tool call has no function name",
+        ),
+        (
+            [CALC, {"type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+            "messages[1].tool_calls[1]: arguments are not JSON",
+        ),
+    ],
+)
+def test_tool_calls_must_be_a_list_and_bad_calls_are_named_by_index(
+    tmp_path: Path, tool_calls, detail: str
+) -> None:
+    record = _openai(USER, {"role": "assistant", "content": "", "tool_calls": tool_calls}, ANSWER)
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    _, rejects, summary = run(tmp_path, ("oa", path))
+    assert summary["totals"]["dropped"]["bad_tool_call"] == 1
+    assert [r["reason"] for r in rejects] == ["bad_tool_call"]
+    assert rejects[0]["detail"].startswith(detail), rejects[0]["detail"]
+
+
+def test_unparsed_hermes_blocks_are_counted(tmp_path: Path) -> None:
+    records = [
+        {"conversations": [
+            {"from": "human", "value": f"Price of {symbol}?"},
+            {"from": "gpt", "value": f"<tool_call>\nget_stock_price {symbol}\n</tool_call>"},
+        ]}
+        for symbol in ("MSFT", "IBM", "SAP")
+    ] + [
+        {"conversations": [
+            {"from": "human", "value": "Price of AAPL?"},
+            {"from": "gpt", "value": '<tool_call>\n{"name": "p", "arguments": {}}\n</tool_call>'},
+        ]}
+    ]  # fmt: skip
+    path = tmp_path / "hermes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    got, _, summary = run(tmp_path, ("sg", path))
+    assert len(got) == 4
+    assert summary["totals"]["kept_as_text"] == {"unparsed_tool_call_blocks": 3}
+    assert summary["sources"]["sg"]["kept_as_text"] == {"unparsed_tool_call_blocks": 3}
+    assert got["Price of AAPL?"]["messages"][1]["tool_calls"][0]["function"]["name"] == "p"

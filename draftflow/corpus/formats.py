@@ -28,6 +28,7 @@ import json
 from typing import Any, Literal, NotRequired, TypedDict
 
 from draftflow.corpus.toolcalls import (
+    normalise_function_call_value,
     normalise_tool_calls,
     normalise_tools,
     parse_tool_calls,
@@ -199,11 +200,17 @@ def _check_encodable(text: str, where: str) -> None:
         raise BadRecord(BAD_UTF8, f"{where} has a lone surrogate (\\ud800-\\udfff)")
 
 
-def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+def _tool_calls(raw: Any, where: str, function_call_turn: bool = False) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` (a list, nothing else), or a ShareGPT ``function_call`` turn's value
+    (one call or a list, as JSON text or parsed); a bad call is named by its index."""
     try:
-        calls = normalise_tool_calls(raw)
+        calls = (
+            normalise_function_call_value(raw) if function_call_turn else normalise_tool_calls(raw)
+        )
     except ValueError as error:
-        raise BadRecord(BAD_TOOL_CALL, f"{where}: {error}") from None
+        detail = str(error)
+        separator = "" if detail.startswith("[") else ": " if function_call_turn else " "
+        raise BadRecord(BAD_TOOL_CALL, f"{where}{separator}{detail}") from None
     _check_encodable(json.dumps(calls, ensure_ascii=False), where)
     return calls
 
@@ -220,9 +227,11 @@ def _with_reasoning(message: Message, reasoning: Any, where: str) -> Message:
 def _openai_message(turn: dict[str, Any], raw_role: str, where: str) -> Message:
     role = _role(raw_role, f"{where}.role")
     content = turn["content"]
-    calls = turn.get("tool_calls") or (
-        [turn["function_call"]] if turn.get("function_call") is not None else None
-    )
+    calls = turn.get("tool_calls")
+    if calls == []:  # OpenAI dumps write an empty list for "no calls"
+        calls = None
+    if calls is None and turn.get("function_call") is not None:
+        calls = [turn["function_call"]]
     if calls is not None and role != "assistant":
         raise BadRecord(BAD_TOOL_CALL, f"{where}: tool calls on a {role!r} message")
     if content is None and calls is not None:  # a turn that only calls tools
@@ -245,7 +254,8 @@ def _sharegpt_message(turn: dict[str, Any], raw_role: str, where: str) -> Messag
     if raw_role in FUNCTION_CALL_ROLES:
         if not isinstance(value, str | dict | list):
             raise BadRecord(BAD_TOOL_CALL, f"{where}.value is a {type(value).__name__}")
-        return {"role": "assistant", "content": "", "tool_calls": _tool_calls(value, where)}
+        calls = _tool_calls(value, where, function_call_turn=True)
+        return {"role": "assistant", "content": "", "tool_calls": calls}
     role = _role(raw_role, f"{where}.from")
     message: Message = {"role": role, "content": _text(value, f"{where}.value")}
     if role == "tool":
@@ -257,6 +267,40 @@ def _sharegpt_message(turn: dict[str, Any], raw_role: str, where: str) -> Messag
             message["content"] = parsed.content
             message["tool_calls"] = parsed.tool_calls
     return message
+
+
+# Why a conversation's tool results do not answer its calls (ingest drops such conversations:
+# a result without its call renders as a second user turn, and an answer reading it is
+# trained on data the conversation does not show).
+TOOL_RESULT_WITHOUT_CALL = "tool_result_without_call"
+TOOL_CALL_ID_UNMATCHED = "tool_call_id_unmatched"
+
+
+def tool_result_problem(messages: list[Message]) -> str | None:
+    """None when every tool result answers an assistant turn right before it; else the reason.
+
+    The turn may call in its text (ToolACE's ``[f(x=1)]``, kept as text); where it has
+    structured calls, there are no more results than calls, and a ``tool_call_id`` names one of
+    them (where the calls carry ids). A ``tool_call_id`` after a turn without calls names none.
+    """
+    caller: Message | None = None
+    results = 0
+    for message in messages:
+        if message["role"] != "tool":
+            caller = message if message["role"] == "assistant" else None
+            results = 0
+            continue
+        if caller is None:
+            return TOOL_RESULT_WITHOUT_CALL
+        calls = caller.get("tool_calls") or []
+        results += 1
+        if calls and results > len(calls):
+            return TOOL_RESULT_WITHOUT_CALL
+        call_id = message.get("tool_call_id")
+        ids = {call["id"] for call in calls if "id" in call}
+        if call_id and (not calls or (ids and call_id not in ids)):
+            return TOOL_CALL_ID_UNMATCHED
+    return None
 
 
 def is_encodable(text: str) -> bool:

@@ -7,13 +7,18 @@ For every record of every source, in order:
    goes to the rejects file with file, line and index, or stops the run when ``on_bad_record``
    is ``fail``;
 2. clean (formats.clean_messages: empty turns and leading assistant turns removed), then drop
-   ``empty`` (no turn left) and ``one_sided`` (no user or no assistant turn) conversations;
+   ``empty`` (no turn left) and ``one_sided`` (no user or no assistant turn) conversations, and
+   those whose tool results do not answer a call (formats.tool_result_problem):
+   ``tool_result_without_call`` (a result with no assistant call right before it, or more
+   results than calls) and ``tool_call_id_unmatched`` (a ``tool_call_id`` naming none of them);
 3. drop ``duplicate`` (same normalised messages as an earlier conversation, any source) and
    ``duplicate_id`` (a source id seen before in the same source with other content);
 4. keep the ``max_conversations`` with the lowest subset_rank(seed, id); the others are
    dropped as ``not_in_subset``.
 
 The output is sorted by id. Every record read is counted exactly once: read == kept + dropped.
+``kept_as_text`` counts what was read but kept as text: ``unparsed_tool_call_blocks``, assistant
+turns holding a ``<tool_call>`` block that is not a JSON call.
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ from draftflow.config import from_section
 from draftflow.corpus.formats import (
     BAD_RECORD_REASONS,
     FORMATS,
+    TOOL_CALL_ID_UNMATCHED,
+    TOOL_RESULT_WITHOUT_CALL,
     BadRecord,
     clean_messages,
     content_hash,
     conversation_id,
     parse_record,
     subset_rank,
+    tool_result_problem,
 )
 from draftflow.corpus.sources import iter_records
 from draftflow.io import atomic_path, atomic_write_json
@@ -53,7 +61,17 @@ ONE_SIDED = "one_sided"
 DUPLICATE = "duplicate"
 DUPLICATE_ID = "duplicate_id"
 NOT_IN_SUBSET = "not_in_subset"
-FILTER_REASONS = (EMPTY, ONE_SIDED, DUPLICATE, DUPLICATE_ID, NOT_IN_SUBSET)
+FILTER_REASONS = (
+    EMPTY,
+    ONE_SIDED,
+    TOOL_RESULT_WITHOUT_CALL,
+    TOOL_CALL_ID_UNMATCHED,
+    DUPLICATE,
+    DUPLICATE_ID,
+    NOT_IN_SUBSET,
+)
+UNPARSED_TOOL_CALL_BLOCKS = "unparsed_tool_call_blocks"
+KEPT_AS_TEXT = (UNPARSED_TOOL_CALL_BLOCKS,)
 DROP_REASONS = BAD_RECORD_REASONS + FILTER_REASONS
 ON_BAD_RECORD = ("skip", "fail")
 
@@ -83,6 +101,7 @@ class SourceCounts:
     kept: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     layouts: Counter[str] = field(default_factory=Counter)
+    kept_as_text: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +112,7 @@ class SourceCounts:
             "kept": self.kept,
             "dropped": {reason: self.dropped[reason] for reason in DROP_REASONS},
             "dropped_total": sum(self.dropped.values()),
+            "kept_as_text": {what: self.kept_as_text[what] for what in KEPT_AS_TEXT},
         }
 
 
@@ -197,6 +217,11 @@ def _read_sources(
                     tally.dropped[bad.reason] += 1
                     continue
                 tally.layouts[layout] += 1
+                tally.kept_as_text[UNPARSED_TOOL_CALL_BLOCKS] += sum(
+                    1
+                    for m in messages
+                    if m["role"] == "assistant" and "<tool_call>" in m["content"]
+                )
                 reason, conversation = _judge(
                     source.name, source_id, messages, tools, seen_content, seen_ids
                 )
@@ -221,6 +246,13 @@ def _read_sources(
             tally.read - sum(tally.dropped.values()),
             dict(tally.dropped),
         )
+        if tally.kept_as_text[UNPARSED_TOOL_CALL_BLOCKS]:
+            log.warning(
+                "ingest: source %r: %d assistant turns hold a <tool_call> block that is not a "
+                "JSON call; kept as text",
+                source.name,
+                tally.kept_as_text[UNPARSED_TOOL_CALL_BLOCKS],
+            )
     return kept
 
 
@@ -239,6 +271,9 @@ def _judge(
     roles = {message["role"] for message in messages}
     if "user" not in roles or "assistant" not in roles:
         return ONE_SIDED, {}
+    problem = tool_result_problem(messages)
+    if problem is not None:
+        return problem, {}
     digest = content_hash(messages, tools)
     if digest in seen_content:
         return DUPLICATE, {}
@@ -312,6 +347,7 @@ def _summary(
         "kept": sum(t.kept for t in counts.values()),
         "dropped": dropped,
         "dropped_total": sum(dropped.values()),
+        "kept_as_text": {w: sum(t.kept_as_text[w] for t in counts.values()) for w in KEPT_AS_TEXT},
     }
     for name, tally in per_source.items():
         # The promise the summary makes: every record read is either kept or dropped once.

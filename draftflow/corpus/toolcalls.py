@@ -3,8 +3,10 @@
 The normal form is what Hugging Face chat templates expect (transformers' chat-template docs):
 
 - a tool call: ``{"type": "function", "function": {"name": str, "arguments": dict}}``, plus
-  ``"id"`` when the source gave one (arguments are an object, never a JSON string: templates
-  ``tojson`` them, and a string would be quoted twice);
+  ``"id"`` when the source gave one (arguments are stored as an object; most templates
+  ``tojson`` them, and a string would be quoted twice. Templates that concatenate them as text,
+  DeepSeek-V3's ``'```json\n' + arguments``, get the JSON string instead: the encoding a template
+  wants is found once by rendering a probe call both ways, see :func:`arguments_encoding`);
 - a tool (function schema) of a conversation's ``tools`` list:
   ``{"type": "function", "function": {"name": str, ...}}``;
 - reasoning: an assistant message's ``reasoning_content`` string.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,12 +84,24 @@ def normalise_tool_call(raw: Any) -> dict[str, Any]:
 
 
 def normalise_tool_calls(raw: Any) -> list[dict[str, Any]]:
-    """A list of tool calls (a single object is one call; a JSON string is parsed first)."""
+    """An OpenAI ``tool_calls`` list; each bad call is named by its index (``[2]: ...``)."""
+    if not isinstance(raw, list):
+        raise ValueError(f"is a {type(raw).__name__}, not a list")
+    if not raw:
+        raise ValueError("is an empty list")
+    calls = []
+    for index, call in enumerate(raw):
+        try:
+            calls.append(normalise_tool_call(call))
+        except ValueError as error:
+            raise ValueError(f"[{index}]: {error}") from None
+    return calls
+
+
+def normalise_function_call_value(raw: Any) -> list[dict[str, Any]]:
+    """LLaMA-Factory's ``function_call`` turn value: one call or a list, as JSON or parsed."""
     raw = _parsed(raw, "tool calls")
-    calls = raw if isinstance(raw, list) else [raw]
-    if not calls:
-        raise ValueError("empty list of tool calls")
-    return [normalise_tool_call(call) for call in calls]
+    return normalise_tool_calls(raw if isinstance(raw, list) else [raw])
 
 
 def normalise_tools(raw: Any) -> list[dict[str, Any]]:
@@ -194,11 +208,63 @@ def same_calls(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> boo
     return [c["function"] for c in first] == [c["function"] for c in second]
 
 
-def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+ARGUMENTS_AS_OBJECT = "object"
+ARGUMENTS_AS_STRING = "string"
+# The probe's arguments as a template that renders them as JSON writes them (tojson, or the
+# string verbatim); a string a template quoted again has ``\"`` and does not match.
+_PROBE_ARGUMENTS = {"draftflow_probe": "probe value"}
+_PROBE_RENDERED = re.compile(r'(?<!\\)"draftflow_probe"\s*:\s*"probe value"')
+
+
+def arguments_encoding(render: Callable[[list[dict[str, Any]]], str]) -> str:
+    """How a chat template wants tool-call arguments: ``"object"`` or ``"string"`` (JSON).
+
+    ``render`` renders template-form messages. A probe conversation with one call is rendered
+    both ways; the first way that renders the arguments as JSON wins (an object first: the
+    Hugging Face convention). A template that renders neither (no tool support) gets objects.
+    """
+    call = {"id": "probe_1", "type": "function"}
+    call["function"] = {"name": "probe_function", "arguments": _PROBE_ARGUMENTS}
+    probe = [
+        {"role": "user", "content": "probe question"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "probe result", "tool_call_id": "probe_1"},
+        {"role": "assistant", "content": "probe answer"},
+    ]
+    for encoding in (ARGUMENTS_AS_OBJECT, ARGUMENTS_AS_STRING):
+        try:
+            text = render([template_message(m, encoding) for m in probe])
+        except Exception:  # a template may fail in any way on the wrong encoding
+            continue
+        if _PROBE_RENDERED.search(text):
+            return encoding
+    return ARGUMENTS_AS_OBJECT
+
+
+def template_message(
+    message: Mapping[str, Any], arguments_as: str = ARGUMENTS_AS_OBJECT
+) -> dict[str, Any]:
     """The message as templates read it: only the fields it has (Llama 3.1 tests
-    ``'tool_calls' in message``), content always a string."""
+    ``'tool_calls' in message``), content always a string, arguments encoded as ``arguments_as``.
+
+    An assistant answer holding ``</think>`` without reasoning gets an explicit empty
+    ``reasoning_content``: Qwen3-style templates otherwise split the answer at that tag and drop
+    the text before it.
+    """
     out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
     for key in ("tool_calls", "reasoning_content", "tool_call_id", "name"):
         if message.get(key):
             out[key] = message[key]
+    if arguments_as == ARGUMENTS_AS_STRING and "tool_calls" in out:
+        out["tool_calls"] = [_with_string_arguments(call) for call in out["tool_calls"]]
+    if out["role"] == "assistant" and "</think>" in out["content"]:
+        out.setdefault("reasoning_content", "")
     return out
+
+
+def _with_string_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -47,15 +47,19 @@ test-gpu:
 gpu-wheelhouse:
 	bash tools/gpu_wheelhouse.sh envs/gpu-lane.txt $(WHEELHOUSE)
 
+# The config the demo, plan, lint and report targets run with: the CPU demo, an overlay over the
+# schema's defaults (make plan CONFIG=config/examples/<name>.yaml plans another).
+CONFIG ?= config/demo.yaml
+
 demo: $(STAMP)
-	$(BIN)/snakemake --profile profiles/default --cores $(CORES)
-	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --report results/report.html
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG)
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) --report results/report.html
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile rules/
-	$(BIN)/snakemake --lint
+	$(BIN)/snakemake --lint --configfile $(CONFIG)
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
@@ -68,11 +72,11 @@ test: lint
 # The disk plan of the extract stage (bytes per shard against the free space), before capture:
 # runs the stages up to the shards if needed, then prints results/extract/plan.json.
 plan: $(STAMP)
-	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --forcerun plan_extract results/extract/plan.json
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) --forcerun plan_extract results/extract/plan.json
 	$(BIN)/python -m draftflow.capture.plan results/extract/plan.json
 
 report: $(STAMP)
-	$(BIN)/snakemake --report results/report.html
+	$(BIN)/snakemake --configfile $(CONFIG) --report results/report.html
 
 clean-results:
 	rm -rf results logs benchmarks .snakemake

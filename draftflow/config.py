@@ -1,8 +1,9 @@
 """Config sections -> settings dataclasses, all built one way.
 
-``validate()`` in rules/common.smk fills every default from config/schema.yaml, so a rule indexes
-the config directly and a settings class takes its section as it is; its own defaults match the
-schema's (tests/test_settings_defaults.py) for callers that build it without a config.
+config/schema.yaml is the one source of defaults: ``validate_config()`` (rules/common.smk, and
+``load_config()`` for code run outside Snakemake) fills every one, so a rule indexes the config
+directly and a settings class takes its section as it is. Settings classes have no defaults of
+their own (tests/test_settings_defaults.py).
 """
 
 from __future__ import annotations
@@ -40,29 +41,63 @@ def from_section(
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "config" / "schema.yaml"
+# What the Snakefile loads first (a template that sets nothing the schema defaults).
+BASE_CONFIG = REPO / "config" / "config.yaml"
+# The CPU demo: an overlay (make demo runs snakemake --configfile config/demo.yaml).
+DEMO_CONFIG = REPO / "config" / "demo.yaml"
+
+PathLike = str | os.PathLike[str]
 
 
-def load_config(
-    path: str | os.PathLike[str] = REPO / "config" / "config.yaml",
-    *overlays: str | os.PathLike[str],
-) -> dict[str, Any]:
-    """A config file as the workflow sees it: ``overlays`` merged over it in order (as
-    Snakemake merges several ``--configfile``), validated against config/schema.yaml, defaults
-    filled (for the drivers that run stages outside Snakemake)."""
-    import yaml
+def load_config(*files: PathLike, base: PathLike = BASE_CONFIG) -> dict[str, Any]:
+    """The config a run sees: config/schema.yaml's defaults <- ``base`` (config/config.yaml)
+    <- ``files`` in order, merged as Snakemake merges ``--configfile`` (mappings key by key,
+    anything else replaced whole), then validated. For drivers and tests that run stages
+    outside Snakemake; ``base``: a workflow copy's own config/config.yaml."""
+    from snakemake.common.configfile import load_configfile
+
+    config: dict[str, Any] = {}
+    for path in (base, *files):
+        merge_config(config, load_configfile(str(path)))
+    return validate_config(config)
+
+
+def merge_config(config: dict[str, Any], overlay: Mapping[str, Any]) -> None:
+    """``overlay`` into ``config`` in place, as Snakemake merges its config files."""
+    from snakemake.utils import update_config
+
+    update_config(config, overlay)
+
+
+def validate_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Check ``config`` against config/schema.yaml and fill every default, in place.
+
+    A config without a target (config/config.yaml alone) is refused first with the fix: the
+    schema's defaults hold for everything but the target, the corpus and its sources.
+    """
     from snakemake.utils import validate
 
-    config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    for overlay in overlays:
-        merge_config(config, yaml.safe_load(Path(overlay).read_text(encoding="utf-8")) or {})
+    missing = missing_run_keys(config)
+    if missing:
+        raise ValueError(
+            f"the config does not set {', '.join(missing)}: config/config.yaml is a template "
+            "that leaves them to you. Pass your own settings with --configfile my.yaml "
+            "(config/README.md describes every key), or run the CPU demo with "
+            "--configfile config/demo.yaml (make demo)."
+        )
     validate(config, str(SCHEMA))
     return config
 
 
-def merge_config(config: dict[str, Any], overlay: Mapping[str, Any]) -> None:
-    """``overlay`` into ``config`` in place: mappings merge key by key, anything else replaces."""
-    for key, value in overlay.items():
-        if isinstance(value, Mapping) and isinstance(config.get(key), dict):
-            merge_config(config[key], value)
-        else:
-            config[key] = value
+def missing_run_keys(config: Mapping[str, Any]) -> list[str]:
+    """Keys without a usable schema default that the config leaves unset."""
+    target = config.get("target") or {}
+    missing = []
+    source = target.get("source", "hf")
+    if source == "gguf" and not target.get("gguf"):
+        missing.append("target.gguf")
+    elif source == "hf" and not target.get("path"):
+        missing.append("target.path")
+    if not (config.get("corpus") or {}).get("sources"):
+        missing.append("corpus.sources")
+    return missing

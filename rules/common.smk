@@ -2,9 +2,10 @@
 import re
 from pathlib import Path
 
-from snakemake.utils import validate
+from draftflow.config import validate_config
 
-validate(config, schema="../config/schema.yaml")
+# Fills every default from config/schema.yaml; refuses a config without a target or corpus.
+validate_config(config)
 
 from draftflow.bench.schedule import bench_schedule
 from draftflow.engine_settings import engine_settings

@@ -2,8 +2,8 @@
 
 Besides comparing the pages with what tools/benchmarks_doc.py writes, the figure rows are read
 back from the Markdown as a user sees them and each printed value is compared with the value at
-the path its row names, in the file its row links; and every relative link in README.md and
-docs/*.md must resolve to a file or folder in the repository.
+the path its row names, in the file its row links; and every relative link in README.md,
+CHANGELOG.md and docs/*.md must resolve to a file or folder in the repository.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import benchmarks_doc  # noqa: E402
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 FIGURE_PAGES = [REPO / "README.md", REPO / "docs" / "benchmarks.md"]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 RESULTS_LINK = re.compile(r"\]\(([^)]*results/[^)]+\.json)\)")

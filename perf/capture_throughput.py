@@ -7,7 +7,7 @@ Each mode runs in its own process (one engine each, same settings, same thread p
 - ``native``: vLLM's ``extract_hidden_states`` + our CPU-safe connector, reading files included;
 - ``hf``: transformers bf16, one prompt at a time.
 
-Usage (results go to docs/benchmarks.md, section "Capture", with the machine named)::
+Usage (results go to a JSON file in docs/results/ with machine, date and command)::
 
     .venv/bin/python perf/capture_throughput.py --model .test-cache/smollm2 \\
         --prompts 64 --length 300 --threads 1 --modes plain hooks native hf

@@ -28,7 +28,7 @@ the same bytes (the stores' manifests), the determinism result itself.
     python perf/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 --length 1024 \
         --modes plain hooks-v1 --deterministic --out docs/results/gpu-capture-deterministic.json
 
-Results: docs/benchmarks.md, "GPU capture".
+Results: docs/results/gpu-capture*.json; the current figures in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ every other k's, else the k that tie.
 
 ``P.jsonl``: chat prompts as the bench stage reads them (``{"id", "turns": [...]}`` per line).
 At batch 1 a unit is one conversation; at batch B, B conversations decoded together, so
-``--limit`` should hold several batches. Results: docs/benchmarks.md, "Speculative decoding on
-the GPU".
+``--limit`` should hold several batches. Results: docs/results/gpu-spec-decode.json and
+docs/results/gpu-spec-decode-b16.json.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from draftflow.bench.settings import BenchSettings
 from draftflow.bench.suite import run_benchmark
+from draftflow.engine_settings import EngineSettings
 from draftflow.io import atomic_write_json
 from draftflow.report.summary import Bootstrap, best_k, summarise
 
@@ -100,17 +102,30 @@ def main(argv: list[str] | None = None) -> None:
                 draft=args.draft,
                 ks=args.ks,
                 out_dir=out_dir,
-                reserved_cpus=None,
-                max_tokens=args.max_tokens,
-                seed=args.seed,
-                repeats=args.repeats,
-                engine={
-                    "max_model_len": 2048,
-                    "max_num_seqs": batch,
-                    "gpu_memory_utilization": share,
-                    "dtype": args.dtype,
-                    "enforce_eager": not args.cuda_graphs,
-                },
+                settings=BenchSettings(
+                    temperature=0.0,
+                    top_p=1.0,
+                    max_tokens=args.max_tokens,
+                    seed=args.seed,
+                    repeats=args.repeats,
+                    warmup_tokens=16,
+                    schedule="auto",
+                    starts="in_turn",
+                    tie_margin=0.0,
+                    trust_remote_code=False,
+                    engine=EngineSettings(
+                        device="gpu",
+                        tensor_parallel_size=1,
+                        dtype=args.dtype,
+                        max_model_len=2048,
+                        max_num_seqs=batch,
+                        max_num_batched_tokens=None,
+                        gpu_memory_utilization=share,
+                        kv_cache_memory_bytes=None,
+                        reserved_cpus=None,
+                        engine_args={"enforce_eager": not args.cuda_graphs},
+                    ),
+                ),
             )
             units = pd.read_csv(out_dir / "prompts" / "units.csv")
             summary = summarise(tables["prompts"], units, bootstrap)

@@ -7,7 +7,7 @@ Everything is synthetic: the target's embedding, lm_head and final norm are rand
 right shape, the hidden states in the capture store are random (written with the capture stage's
 ``CaptureWriter``), and the draft vocabulary comes from random token counts.
 
-Three sub-commands (results go to docs/benchmarks.md, section "GPU training")::
+Three sub-commands (results: docs/results/gpu-train-speculators.json, gpu-train-fp8.json)::
 
     python perf/gpu_train_step.py prepare --root /tmp/gts
     python perf/gpu_train_step.py ours --root /tmp/gts            # draftflow.train.loop.train
@@ -138,21 +138,28 @@ def flop_count(model, ttt_steps: int, sample_length: int) -> dict:
 
 
 def make_job(root: Path, args: argparse.Namespace, tag: str = "run"):
+    from draftflow.config import DEMO_CONFIG, from_section, load_config
     from draftflow.train.job import TrainJob
     from draftflow.train.settings import TrainSettings
 
-    settings = TrainSettings(
-        num_layers=1,
-        ttt_steps=args.ttt_steps,
-        tokens_per_batch=args.tokens_per_batch,
-        max_steps=args.steps,
-        eval_every=10**9,
-        checkpoint_every=10**9,
-        log_every=10,
-        warmup_steps=2,
-        optimizer="adamw",
-        loss_implementation="eager",
-        device="cuda",
+    # The demo's train section (config/demo.yaml) with this measurement's settings.
+    settings = from_section(
+        TrainSettings,
+        {
+            **load_config(DEMO_CONFIG)["train"],
+            "num_layers": 1,
+            "ttt_steps": args.ttt_steps,
+            "tokens_per_batch": args.tokens_per_batch,
+            "max_steps": args.steps,
+            "eval_every": 10**9,
+            "checkpoint_every": 10**9,
+            "log_every": 10,
+            "warmup_steps": 2,
+            "optimizer": "adamw",
+            "loss_implementation": "eager",
+            "device": "cuda",
+        },
+        "train",
     )
     tag = f"{tag}-{int(os.environ.get('WORLD_SIZE', '1'))}"
     return TrainJob(

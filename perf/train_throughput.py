@@ -4,7 +4,7 @@ Builds a synthetic capture store (random hidden states of the target's shape, wr
 capture stage's CaptureWriter) and a draft vocabulary, then runs the real training loop for a few
 steps. Reports the median tokens/s of the timed steps (the first ``--warmup`` steps excluded).
 
-Usage (results go to docs/benchmarks.md, section "Training", with the machine named)::
+Usage (results go to a JSON file in docs/results/ with machine, date and command)::
 
     .venv/bin/python perf/train_throughput.py --target .test-cache/smollm2 \\
         --tokens-per-batch 2048 --steps 8 --threads 1 [--store-dtype float8_e4m3fn]
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
+    from draftflow.config import DEMO_CONFIG, from_section, load_config
     from draftflow.train.cli import launch
     from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
@@ -69,17 +70,23 @@ def main(argv: list[str] | None = None) -> None:
             draft_vocab=args.draft_vocab,
             store_dtype=args.store_dtype,
         )
-        settings = TrainSettings(
-            num_layers=args.num_layers,
-            ttt_steps=args.ttt_steps,
-            tokens_per_batch=args.tokens_per_batch,
-            max_steps=args.steps,
-            eval_every=10**9,
-            checkpoint_every=10**9,
-            threads=args.threads,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            attn_impl=args.attn_impl,
+        # The demo's train section (config/demo.yaml) with this measurement's sizes.
+        settings = from_section(
+            TrainSettings,
+            {
+                **load_config(DEMO_CONFIG)["train"],
+                "num_layers": args.num_layers,
+                "ttt_steps": args.ttt_steps,
+                "tokens_per_batch": args.tokens_per_batch,
+                "max_steps": args.steps,
+                "eval_every": 10**9,
+                "checkpoint_every": 10**9,
+                "threads": args.threads,
+                "precision": args.precision,
+                "optimizer": args.optimizer,
+                "attn_impl": args.attn_impl,
+            },
+            "train",
         )
         job = TrainJob(
             target_dir=args.target,

@@ -11,7 +11,7 @@ that position in float64 with transformers on the CPU (the conversation as the e
 rendered by the target's chat template, then the plain engine's tokens up to the difference) and
 reports the gap between the plain engine's token and the speculative engine's token, in logits.
 
-Usage (docs/benchmarks.md, "The quality curve on one H200")::
+Usage (results: docs/results/lossless-margins.json)::
 
     PYTHONPATH=$PWD .venv/bin/python studies/lossless_margins.py \\
         --outputs W/results/bench/mtbench/outputs.jsonl --prompts W/results/bench/prompts/mtbench.jsonl \\

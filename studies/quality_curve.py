@@ -7,8 +7,8 @@ that sets only what the curve varies or needs:
 - ``corpus.max_conversations``: the size (ShareGPT conversations kept before regeneration);
 - ``extract.num_shards.train``: one train shard per ``--conversations-per-shard`` conversations;
 - ``train.tokens_per_batch``: ``--tokens-per-batch``, 8,192 by default (the example's 1,024
-  leaves a GPU step overhead-bound; at 2,560 conversations it trains better, docs/benchmarks.md,
-  "The quality curve's first point");
+  leaves a GPU step overhead-bound; at 2,560 conversations it trains better,
+  docs/results/quality-curve-first-point.json);
 - ``bench``: every MT-bench question (both turns) and every HumanEval problem, k = 1 … 5,
   greedy with the lossless check, 32 requests at a time (acceptance does not depend on it),
   the six engines side by side with 0.14 of the GPU each;

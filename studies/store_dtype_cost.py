@@ -15,7 +15,7 @@ command and writes one JSON under ``--out``; ``report`` gathers them into one fi
   acceptance length tau;
 - ``report --json docs/results/store_dtype_cost.json``.
 
-Usage (docs/benchmarks.md, "fp8 capture store")::
+Usage (docs/storage.md, "bf16 or fp8")::
 
     PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py extract --out results/dtype-cost
     PYTHONPATH=$PWD .venv/bin/python studies/store_dtype_cost.py train --dtype bfloat16 --steps 200
@@ -51,7 +51,8 @@ MASSIVE_FACTOR = 10.0
 def load_config() -> dict:
     from draftflow import config
 
-    return config.load_config(Path("config/config.yaml"))
+    # The workdir's own config/config.yaml: the merged config its Snakemake run saw.
+    return config.load_config(base=Path("config/config.yaml"))
 
 
 def shard_inputs() -> dict[str, Path]:
@@ -116,13 +117,12 @@ def phase_extract(args: argparse.Namespace) -> dict:
     from draftflow.capture.extract import ExtractSettings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_extract
-    from draftflow.config import from_section
+    from draftflow.config import extract_section, from_section
     from draftflow.data.samples import read_samples
     from draftflow.io import read_json
 
     config = load_config()
-    section = {key: value for key, value in config["extract"].items() if key != "num_shards"}
-    base = from_section(ExtractSettings, section, "extract")
+    base = from_section(ExtractSettings, extract_section(config), "extract")
     layers = capture_layers(TARGET, base.aux_layers)
     shards = shard_inputs()
     longest = max(
@@ -265,13 +265,13 @@ def phase_train(args: argparse.Namespace) -> dict:
 
 def phase_bench(args: argparse.Namespace) -> dict:
     from draftflow.bench.prompts import read_prompts
-    from draftflow.bench.run import engine_request, request_settings, run_engines
+    from draftflow.bench.run import engine_request, run_engines
+    from draftflow.bench.settings import bench_settings
 
     config = load_config()
     bench = config["bench"]
     name = bench["datasets"][0]["name"]
     prompts = read_prompts(RESULTS / "bench" / "prompts" / f"{name}.jsonl")
-    dtype = bench["dtype"] or config["target"]["dtype"]
     # The plain target beside the draft's engine, measured in the same rounds (the bench stage's
     # paired design), so the speed-up of each store's draft is a ratio of paired times.
     ks = [0, args.k]
@@ -280,10 +280,10 @@ def phase_bench(args: argparse.Namespace) -> dict:
         draft=str(args.out / args.dtype / "train" / "draft"),
         ks=ks,
         prompt_sets={name: prompts},
-        **request_settings(bench, dtype=dtype),
+        settings=bench_settings(config),
     )
     paths = {k: args.out / args.dtype / f"bench-k{k}.json" for k in ks}
-    results = run_engines(request, paths, bench["reserved_cpus"])
+    results = run_engines(request, paths)
     return {
         "dtype": args.dtype,
         "k": args.k,
@@ -317,7 +317,7 @@ def phase_report(args: argparse.Namespace) -> dict:
         platform.processor() or "cpu",
     )
     report = {
-        "command": "studies/store_dtype_cost.py (docs/benchmarks.md, 'fp8 capture store')",
+        "command": "studies/store_dtype_cost.py (docs/storage.md, 'bf16 or fp8')",
         "machine": f"{platform.machine()} {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "notes": args.notes,
         "extract": read_json(args.out / "extract.json"),

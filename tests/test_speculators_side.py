@@ -4,7 +4,7 @@ Its data stage's first half runs for real here: a vLLM server (the CPU build) la
 speculators launches it, and ``speculators prepare-data`` rendering the tiny workflow's
 conversations through it. Its hidden-state generation needs a GPU (vLLM's
 ExampleHiddenStatesConnector pins host memory, which the CPU build cannot), and so does its
-trainer; docs/benchmarks.md ("The quality curve on one H200") says where those stand.
+trainer; docs/results/side-by-side.json holds its GPU results.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from draftflow.corpus.formats import Conversation, Message
 from draftflow.corpus.toolcalls import (
     TOOL_CALL_PARSERS,
     ParsedAnswer,
+    arguments_encoding,
     detect_parser,
     parse_tool_calls,
     same_calls,
@@ -271,6 +272,19 @@ def answer_parser(settings: RegenerateSettings, tokenizer: Any) -> str:
     return detect_parser(getattr(tokenizer, "chat_template", None) or "")
 
 
+_ARGUMENTS_AS: dict[tuple[str, str], str] = {}
+
+
+def template_arguments_as(tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
+    """The tool-call argument encoding the chat template renders, probed once per template."""
+    key = (getattr(tokenizer, "chat_template", None) or "", repr(sorted(template_kwargs.items())))
+    if key not in _ARGUMENTS_AS:
+        _ARGUMENTS_AS[key] = arguments_encoding(
+            lambda probe: tokenizer.apply_chat_template(probe, tokenize=False, **template_kwargs)
+        )
+    return _ARGUMENTS_AS[key]
+
+
 def regenerate_batch(
     conversations: Sequence[Conversation],
     llm: Any,
@@ -283,6 +297,7 @@ def regenerate_batch(
 
     tokenizer = llm.get_tokenizer()
     parser = answer_parser(settings, tokenizer)
+    arguments_as = template_arguments_as(tokenizer, settings.template_kwargs())
     dialogues = [
         _Dialogue(conversation, planned_messages(conversation["messages"], settings.max_turns))
         for conversation in conversations
@@ -295,7 +310,7 @@ def regenerate_batch(
                 continue
             tools = dialogue.conversation.get("tools") or None
             text = tokenizer.apply_chat_template(
-                [template_message(m) for m in prompt],
+                [template_message(m, arguments_as) for m in prompt],
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=True,

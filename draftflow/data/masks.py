@@ -16,17 +16,22 @@ left unmasked; a think block holding the message's reasoning is masked. Template
 the sentinel fall back to rendering prefixes of the conversation (prefix-stable templates:
 ChatML, Llama 3, Gemma, ...). Character spans are then mapped to tokens through the fast
 tokenizer's offsets.
+
+What a template leaves out is found by rendering, not by searching names: a tool call is
+unrendered when removing it leaves the rendering unchanged, and an answer is unrendered when its
+text is not in its span (a template that splits answers at ``</think>``, one that writes only the
+call of a turn that also has text). Tool-call arguments go to the template as objects or as JSON
+strings, whichever it renders (``toolcalls.arguments_encoding``, probed once per template).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-
-from draftflow.corpus.toolcalls import template_message
+from draftflow.corpus.toolcalls import arguments_encoding, template_message
 
 Message = dict[str, Any]
 
@@ -54,6 +59,10 @@ class MaskedTokens:
     truncated: bool = False
     # assistant turns whose tool calls the template does not render (their mask lacks them)
     unrendered_tool_calls: int = 0
+    # assistant turns whose text is not in their span (the template dropped or cut it), and
+    # those of them whose text holds ``</think>`` (a template splitting answers at that tag)
+    unrendered_answers: int = 0
+    unrendered_think_answers: int = 0
 
 
 class ChatTemplateMasker:
@@ -76,6 +85,15 @@ class ChatTemplateMasker:
             )
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
+        # "object" or "string": what this template renders tool-call arguments from
+        self.arguments_as = arguments_encoding(
+            lambda probe: tokenizer.apply_chat_template(
+                probe, tokenize=False, **self.template_kwargs
+            )
+        )
+
+    def template_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
+        return [template_message(m, self.arguments_as) for m in messages]
 
     def render(
         self,
@@ -84,7 +102,7 @@ class ChatTemplateMasker:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         return self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages],
+            self.template_messages(messages),
             tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -103,8 +121,8 @@ class ChatTemplateMasker:
                 continue
             try:
                 span = self._span_by_sentinel(messages, index, full, cursor, tools)
-            except (ChatTemplateError, jinja2.TemplateError):
-                span = None
+            except Exception:
+                span = None  # the template refuses the sentinel turn: try prefixes
             if span is None:
                 span = self._span_by_prefix(messages, index, full, tools)
             if span is None or span[0] < cursor:
@@ -117,18 +135,48 @@ class ChatTemplateMasker:
         return full, spans
 
     def unrendered_tool_calls(
-        self, full: str, messages: Sequence[Message], spans: Sequence[tuple[int, int]]
+        self,
+        full: str,
+        messages: Sequence[Message],
+        spans: Sequence[tuple[int, int]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> int:
-        """Assistant turns with tool calls whose function names are not in their span."""
+        """Assistant turns with a tool call the template does not render.
+
+        A call is rendered when the conversation rendered without it differs from ``full``. A
+        template that refuses the conversation without it (a turn left empty) is judged by its
+        span: the call's name and each of its argument values must be in it.
+        """
+        turns = [(i, m) for i, m in enumerate(messages) if m["role"] == "assistant"]
+        unrendered = 0
+        for (index, message), (start, end) in zip(turns, spans, strict=True):
+            calls = message.get("tool_calls") or []
+            for n, call in enumerate(calls):
+                without = {**message, "tool_calls": [*calls[:n], *calls[n + 1 :]]}
+                try:
+                    missing = (
+                        self.render(
+                            [*messages[:index], without, *messages[index + 1 :]], tools=tools
+                        )
+                        == full
+                    )
+                except Exception:  # the template refuses the turn without it: read the span
+                    missing = not _call_in_text(call, full[start:end])
+                if missing:
+                    unrendered += 1
+                    break
+        return unrendered
+
+    def unrendered_answers(
+        self, full: str, messages: Sequence[Message], spans: Sequence[tuple[int, int]]
+    ) -> list[Message]:
+        """Assistant messages whose text (stripped: templates trim) is not in their span."""
         turns = [m for m in messages if m["role"] == "assistant"]
-        return sum(
-            1
+        return [
+            message
             for message, (start, end) in zip(turns, spans, strict=True)
-            if any(
-                call["function"]["name"] not in full[start:end]
-                for call in message.get("tool_calls") or ()
-            )
-        )
+            if (message.get("content") or "").strip() not in full[start:end]
+        ]
 
     def _span_by_sentinel(
         self,
@@ -182,13 +230,13 @@ class ChatTemplateMasker:
         # Without the template switches: Qwen3's header loses the think block enable_thinking
         # false adds, which turns that render their reasoning do not have.
         plain = self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages[:index]],
+            self.template_messages(messages[:index]),
             tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=True,
         )
         bare = self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages[:index]],
+            self.template_messages(messages[:index]),
             tools=list(tools) if tools else None,
             tokenize=False,
         )
@@ -247,11 +295,14 @@ class ChatTemplateMasker:
         truncated = max_tokens is not None and len(input_ids) > max_tokens
         if truncated:
             input_ids, loss_mask = input_ids[:max_tokens], loss_mask[:max_tokens]
+        unrendered = self.unrendered_answers(full, messages, spans)
         return MaskedTokens(
             input_ids=input_ids,
             loss_mask=loss_mask,
             truncated=truncated,
-            unrendered_tool_calls=self.unrendered_tool_calls(full, messages, spans),
+            unrendered_tool_calls=self.unrendered_tool_calls(full, messages, spans, tools),
+            unrendered_answers=len(unrendered),
+            unrendered_think_answers=sum(1 for m in unrendered if "</think>" in m["content"]),
         )
 
     def _tokenize(self, text: str) -> Any:
@@ -282,6 +333,16 @@ def mask_from_spans(
             inside = span_start <= start < span_end
         mask[token] = int(inside)
     return mask
+
+
+def _call_in_text(call: Mapping[str, Any], text: str) -> bool:
+    """The call's name and every argument value (as text) appear in ``text``."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    values = arguments.values() if isinstance(arguments, dict) else ()
+    return function["name"] in text and all(
+        (v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)) in text for v in values
+    )
 
 
 def _common_prefix(first: str, second: str, limit: int) -> int:

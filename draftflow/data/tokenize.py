@@ -10,12 +10,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import jinja2
 import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from draftflow.data.masks import ChatTemplateError, ChatTemplateMasker, Message
+from draftflow.data.masks import ChatTemplateMasker, Message
 from draftflow.data.samples import sample_writer, samples_table
 from draftflow.data.split import SplitSettings
 from draftflow.io import atomic_path, atomic_write_json
@@ -24,6 +23,8 @@ log = logging.getLogger(__name__)
 
 LONG_SAMPLE_POLICIES = ("truncate", "drop")
 ROW_GROUP_SIZE = 1024
+# Conversations the template failed on, listed by id and error in the summary (all are counted).
+TEMPLATE_ERRORS_LISTED = 50
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def tokenize_corpus(
     vocab_size = target_vocab_size(target_dir, tokenizer)
     token_freq = np.zeros(vocab_size, dtype=np.int64)
     counts: Counter[str] = Counter()
+    template_errors: list[dict[str, str]] = []
     pending: tuple[list, list, list] = ([], [], [])
 
     def flush(writer) -> None:
@@ -155,15 +157,27 @@ def tokenize_corpus(
                 encoded = masker.encode(
                     messages, max_tokens=settings.max_length, tools=record.get("tools")
                 )
-            except (ChatTemplateError, jinja2.TemplateError) as error:
-                # Templates may refuse a role order (e.g. two user turns); count, don't crash.
+            except Exception as error:
+                # A template may refuse a role order (raise_exception), or fail on a value it
+                # did not expect (TypeError, ...): skip the conversation, name it, go on.
                 counts["skipped_template_error"] += 1
-                log.warning("skipping %s: %s", record["id"], error)
+                reason = f"{type(error).__name__}: {error}"
+                if len(template_errors) < TEMPLATE_ERRORS_LISTED:
+                    template_errors.append({"id": record["id"], "error": reason[:300]})
+                log.warning("skipping %s: the chat template failed: %s", record["id"], reason)
                 continue
             if encoded.unrendered_tool_calls:
                 # The template drops the calls: the turn's mask would teach an empty answer.
                 counts["skipped_tool_calls_not_rendered"] += 1
                 continue
+            if encoded.unrendered_think_answers:
+                # The template cuts an answer at its own "</think>" text: its beginning would
+                # be lost from the trained text, silently.
+                counts["skipped_answer_cut_at_think_tag"] += 1
+                continue
+            # Turns whose text the template leaves out (Llama 3.1 writes only the call of a
+            # turn that also has text): trained as the template renders them, counted.
+            counts["answer_text_not_rendered_turns"] += encoded.unrendered_answers
             if encoded.truncated:
                 if settings.long_samples == "drop":
                     counts["dropped_long"] += 1
@@ -221,9 +235,13 @@ def tokenize_corpus(
                 "skipped_no_masked_tokens",
                 "skipped_template_error",
                 "skipped_tool_calls_not_rendered",
+                "skipped_answer_cut_at_think_tag",
+                "answer_text_not_rendered_turns",
                 "tool_call_turns",
             )
         },
+        "tool_call_arguments_as": masker.arguments_as,
+        "template_errors": template_errors,
     }
     atomic_write_json(summary_path, summary)
     log.info("tokenize summary: %s", summary)

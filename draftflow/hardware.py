@@ -11,7 +11,7 @@ import torch
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX). Elsewhere oneDNN
     emulates them: a Muon orthogonalization 35x and a vLLM prefill 8x slower than in float32
-    (measured on an AMD EPYC with AVX2 only, docs/benchmarks.md)."""
+    (measured on an AMD EPYC with AVX2 only, docs/results/cpu-bf16-emulated.json)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -39,9 +39,18 @@ test-vllm016: $(STAMP016) $(STAMP)
 # It uses the machine's own Python (torch with CUDA comes with it), not .venv.
 GPU_PYTHON ?= python3
 WHEELHOUSE ?= wheelhouse
+# GPU_STACK=033: the vLLM 0.33.0 stack (envs/gpu-lane-033.txt) unpacked into GPU_SITE by
+# tools/gpu_carry_033.sh's parts, put first on the paths by tools/gpu_lane_env.sh.
+GPU_STACK ?=
+GPU_SITE ?= /tmp/carry/site
+GPU_PYTEST = $(GPU_PYTHON) -m pytest -q -rs --durations=15 tests/gpu $(PYTEST_ARGS)
 
 test-gpu:
-	$(GPU_PYTHON) -m pytest -q -rs --durations=15 tests/gpu
+ifeq ($(GPU_STACK),033)
+	bash -c 'source tools/gpu_lane_env.sh $(GPU_SITE) && exec $(GPU_PYTEST)'
+else
+	$(GPU_PYTEST)
+endif
 
 # Offline installs: every wheel of envs/gpu-lane.txt for Python 3.12 on Linux x86-64, in one folder.
 gpu-wheelhouse:

@@ -132,3 +132,11 @@ def test_relative_links_resolve(page: Path) -> None:
         if not (page.parent / path).exists():
             broken.append(target)
     assert broken == [], f"{page.relative_to(REPO)}: broken links {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(REPO).as_posix())
+def test_named_result_files_exist(page: Path) -> None:
+    """A measured claim names its file in docs/results/, in a link or in code: it must exist."""
+    named = re.findall(r"docs/results/([\w.-]+\.(?:json|png))", page.read_text(encoding="utf-8"))
+    missing = sorted({name for name in named if not (REPO / "docs" / "results" / name).is_file()})
+    assert missing == [], f"{page.relative_to(REPO)} names missing results {missing}"

@@ -78,9 +78,21 @@ format: $(STAMP)
 test: lint
 	$(BIN)/pytest -q --durations=25 tests
 
-# The disk plan of the extract stage (bytes per shard against the free space), before capture:
-# runs the stages up to the shards if needed, then prints results/extract/plan.json.
+# The plans of a run, before it starts. First the engine plan (python -m draftflow.plan): every
+# vLLM engine with its arguments, devices and GPU memory per device, refused where it cannot fit;
+# no GPU needed. It reads the target's config.json from TARGET_CONFIG, else from the prepared
+# target (made first: resources/target); DEVICE_MEMORY_GIB: one GPU's memory (80: an H100).
+# Then the disk plan of the extract stage (bytes per shard against the free space): runs the
+# stages up to the shards if needed, then prints results/extract/plan.json.
+TARGET_CONFIG ?=
+DEVICE_MEMORY_GIB ?= 80
 plan: $(STAMP)
+ifeq ($(TARGET_CONFIG),)
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) resources/target/draftflow_target.json
+	$(BIN)/python -m draftflow.plan --configfile $(CONFIG) --target-config resources/target/config.json --device-memory-gib $(DEVICE_MEMORY_GIB)
+else
+	$(BIN)/python -m draftflow.plan --configfile $(CONFIG) --target-config $(TARGET_CONFIG) --device-memory-gib $(DEVICE_MEMORY_GIB)
+endif
 	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) --forcerun plan_extract results/extract/plan.json
 	$(BIN)/python -m draftflow.capture.plan results/extract/plan.json
 

@@ -7,6 +7,11 @@ from draftflow.config import validate_config
 # Fills every default from config/schema.yaml; refuses a config without a target or corpus.
 validate_config(config)
 
+# Cross-key checks before any job runs; each refusal names the keys, values and a fix.
+from draftflow.plan.checks import check_workflow_config
+
+check_workflow_config(config)
+
 from draftflow.bench.schedule import bench_schedule
 from draftflow.engine_settings import engine_settings
 

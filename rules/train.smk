@@ -1,7 +1,8 @@
 # stage: vocab + train. The draft vocabulary from train token counts, then the EAGLE-3 draft
-# trained on the capture stores (docs/design.md, docs/training.md). Checkpoints live in
-# results/train/checkpoints/ and are deliberately not an output: Snakemake deletes the outputs
-# of a failed job, and a killed training job must find them to resume.
+# trained on the capture stores (docs/design.md, docs/training.md). Checkpoints and the metrics
+# history live in results/train/checkpoints/ and are deliberately not an output: Snakemake deletes
+# the outputs of a failed job, and a killed training job must find them to resume (and rebuild
+# metrics.jsonl). A finished job leaves checkpoints/COMPLETE there: a rerun trains from scratch.
 
 
 rule vocab:

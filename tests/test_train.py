@@ -296,7 +296,8 @@ def _delete_outputs_as_snakemake_does(job: TrainJob) -> None:
     shutil.rmtree(job.draft_dir, ignore_errors=True)
 
 
-def test_metrics_survive_a_kill_after_the_first_checkpoint(tiny_store, tmp_path):
+@pytest.mark.parametrize("kill_after", ["step-00000004", "step-00000008"])
+def test_metrics_survive_a_kill_after_the_first_checkpoint(tiny_store, tmp_path, kill_after):
     """Issue 39: killed after a checkpoint, its outputs deleted, the job keeps its whole curve."""
     settings = {"max_steps": 12, "checkpoint_every": 4, "eval_every": 3}
     straight = _job(tiny_store, tmp_path / "straight", **settings)
@@ -306,15 +307,16 @@ def test_metrics_survive_a_kill_after_the_first_checkpoint(tiny_store, tmp_path)
 
     killed = _job(tiny_store, tmp_path / "killed", **settings)
     process = _run_cli(killed, tmp_path / "job.json")
-    while process.poll() is None:  # SIGKILL once the first checkpoint is on disk
-        if latest_checkpoint(killed.checkpoint_dir) is not None:
+    while process.poll() is None:  # SIGKILL once the checkpoint is on disk
+        found = latest_checkpoint(killed.checkpoint_dir)
+        if found is not None and found.name >= kill_after:
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the job ended before it could be killed"
     resumed_from = int(latest_checkpoint(killed.checkpoint_dir).name.removeprefix("step-"))
-    assert 4 <= resumed_from < 12
+    assert int(kill_after.removeprefix("step-")) <= resumed_from < 12
     _delete_outputs_as_snakemake_does(killed)
 
     train(killed)

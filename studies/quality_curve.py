@@ -348,6 +348,11 @@ def collect(args: argparse.Namespace) -> None:
             for name, rows in point["bench"].items()
         }
         print(point["train_tokens"], point["val"]["full_acc"], taus)
+    if len(points) >= 4:
+        # How well the smaller sizes foretold the largest (draftflow/forecast.py).
+        from draftflow import forecast
+
+        forecast.main(["check", "--curve", str(args.out)])
 
 
 def latest_points(runs: list[list[dict]]) -> list[dict]:

@@ -22,6 +22,7 @@ exceeds the device, and side-by-side bench engines that do not fit one device to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -219,7 +220,7 @@ def plan_engine(
         gpu_memory_utilization=settings.gpu_memory_utilization,
     )
     problems = engine_problems(engine, settings, device_memory_bytes)
-    return PlannedEngine(**{**engine.__dict__, "problems": tuple(problems)})
+    return dataclasses.replace(engine, problems=tuple(problems))
 
 
 def engine_problems(
@@ -291,7 +292,7 @@ def plan_engines(
     device_memory_bytes: int = DEFAULT_DEVICE_MEMORY_BYTES,
 ) -> EnginePlan:
     """Every engine of the run, in the order the stages start them."""
-    from draftflow.bench.schedule import SIDE_BY_SIDE, bench_schedule
+    from draftflow.bench.schedule import bench_schedule
 
     engines: list[PlannedEngine] = []
     if config["corpus"]["regenerate"]["enabled"]:
@@ -323,25 +324,35 @@ def plan_engines(
     engines += bench
     schedule = bench_schedule(config["bench"])
     problems = [problem for engine in engines for problem in engine.problems]
-    together = [engine.memory_bytes_per_device for engine in bench]
-    if (
-        schedule == SIDE_BY_SIDE
-        and bench[0].device == "gpu"
-        and len(bench) > 1
-        and all(size is not None for size in together)
-        and sum(together) > device_memory_bytes  # type: ignore[arg-type]
-    ):
-        problems.append(
-            f"bench: the {len(bench)} engines (k = {', '.join(map(str, ks))}) run side by side on "
-            f"the same {bench[0].tensor_parallel_size} GPU(s) (bench.schedule "
-            f"{config['bench']['schedule']}): {_size(sum(together))} per device together "  # type: ignore[arg-type]
-            f"({' + '.join(_size(size) for size in together)}), above the device's "  # type: ignore[arg-type]
-            f"{_size(device_memory_bytes)}, each with its own copy of the weights "
-            f"({_size(bench[0].weight_bytes_per_device)}). Fix: bench.schedule: one_at_a_time "
-            "(with bench.gpu_memory_utilization 0.9), fewer bench.num_speculative_tokens, or "
-            "more engine.tensor_parallel_size"
-        )
+    problems += side_by_side_problems(config, bench, schedule, device_memory_bytes)
     return EnginePlan(tuple(engines), device_memory_bytes, schedule, tuple(problems))
+
+
+def side_by_side_problems(
+    config: Mapping[str, Any],
+    bench: list[PlannedEngine],
+    schedule: str,
+    device_memory_bytes: int,
+) -> list[str]:
+    """Bench engines alive at once share their GPUs: their memory together must fit one."""
+    from draftflow.bench.schedule import SIDE_BY_SIDE
+
+    sizes = [engine.memory_bytes_per_device for engine in bench]
+    if schedule != SIDE_BY_SIDE or bench[0].device != "gpu" or len(bench) < 2:
+        return []
+    known = [size for size in sizes if size is not None]
+    if len(known) < len(sizes) or sum(known) <= device_memory_bytes:
+        return []
+    ks = ", ".join(name.split("=")[1] for engine in bench for name in engine.jobs)
+    return [
+        f"bench: the {len(bench)} engines (k = {ks}) run side by side on the same "
+        f"{bench[0].tensor_parallel_size} GPU(s) (bench.schedule {config['bench']['schedule']}): "
+        f"{_size(sum(known))} per device together ({' + '.join(_size(s) for s in known)}), "
+        f"above the device's {_size(device_memory_bytes)}, each with its own copy of the "
+        f"weights ({_size(bench[0].weight_bytes_per_device)}). Fix: bench.schedule: "
+        "one_at_a_time (with bench.gpu_memory_utilization 0.9), fewer "
+        "bench.num_speculative_tokens, or more engine.tensor_parallel_size"
+    ]
 
 
 def check_engine_plan(plan: EnginePlan) -> None:

@@ -3,6 +3,7 @@ the keys, the values and a fix; a target's config.json is read where it is local
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -163,3 +164,14 @@ def test_a_gguf_target_skips_the_shape_checks_and_says_so(tmp_path):
     config = merged(tmp_path, REPO / "config" / "demo.yaml")
     notes = check_workflow_config(config)
     assert len(notes) == 1 and "target.source gguf" in notes[0] and "skipped" in notes[0]
+
+
+def test_a_target_shape_not_known_here_does_not_stop_the_run(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    config_json = json.loads((TARGETS / "llama-3.1-8b" / "config.json").read_text())
+    config_json["quantization_config"] = {"quant_method": "some_future_scheme"}
+    (target / "config.json").write_text(json.dumps(config_json), encoding="utf-8")
+    config = merged(tmp_path, LLAMA_EXAMPLE, overlay={"target": {"path": str(target)}})
+    notes = check_workflow_config(config)
+    assert "quant_method 'some_future_scheme'" in notes[0] and "skipped" in notes[1]

@@ -226,3 +226,29 @@ def test_plan_command_refuses_with_status_1(capsys):
     )
     assert status == 1
     assert "REFUSED" in capsys.readouterr().out
+
+
+def test_quantization_ignore_lists():
+    from draftflow.plan.target_shape import read_quantization
+
+    # Kimi-K2.5's compressed-tensors list: names and re: patterns.
+    kimi = read_quantization(yaml.safe_load((TARGETS / "kimi-k2.5" / "config.json").read_text()))
+    assert kimi.bytes_per_parameter == 4 / 8 + 2 / 32
+    assert kimi.quantizes("model.layers.1.mlp.experts.7.down_proj")
+    assert not kimi.quantizes("model.layers.0.mlp.gate_proj")
+    assert not kimi.quantizes("model.layers.1.mlp.shared_experts.up_proj")
+    assert not kimi.quantizes("model.layers.1.self_attn.kv_b_proj")
+    assert not kimi.quantizes("lm_head")
+    # gpt-oss's mxfp4 list: globs over module prefixes.
+    mxfp4 = read_quantization(
+        {
+            "quantization_config": {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens"],
+            }
+        }
+    )
+    assert not mxfp4.quantizes("model.layers.3.self_attn.q_proj")
+    assert mxfp4.quantizes("model.layers.3.mlp.experts.0.gate_proj")
+    with pytest.raises(ValueError, match="some_future_scheme"):
+        read_quantization({"quantization_config": {"quant_method": "some_future_scheme"}})

@@ -202,6 +202,16 @@ def check_config(config: Mapping[str, Any], shape: TargetShape | None = None) ->
 
 
 def check_workflow_config(config: Mapping[str, Any]) -> list[str]:
-    """The start checks of rules/common.smk: with the target's config.json where it is local."""
+    """The start checks of rules/common.smk: with the target's config.json where it is local.
+
+    A config.json whose shape cannot be read here (an architecture or quantization this module
+    does not know) does not stop the run: its checks are skipped, and the notes say why."""
     found = local_target_config(config)
-    return check_config(config, target_shape(found) if found is not None else None)
+    if found is None:
+        return check_config(config, None)
+    try:
+        shape = target_shape(found)
+    except (ValueError, KeyError, TypeError) as error:
+        notes = check_config(config, None)
+        return [f"{config['target']['path']}/config.json: {error}", *notes]
+    return check_config(config, shape)

@@ -5,7 +5,7 @@ Mistral3) is read through its ``text_config`` (vLLM runs every draftflow engine 
 vision tower takes no memory). Parameters are counted module by module the way the HF modeling
 code lays them out (embeddings, attention or MLA, dense MLP, routed and shared experts with
 DeepSeek's ``first_k_dense_replace``, norms, an untied lm_head); a quantized checkpoint
-(``quantization_config``: compressed-tensors, fp8, or a ``bits``/``group_size`` method) stores the
+(``quantization_config``: compressed-tensors, fp8, mxfp4, or a ``bits``/``group_size`` method) stores the
 modules it quantizes in fewer bytes, with its ``ignore`` list honoured.
 
 KV cache, per token and device: ``2 x layers x KV heads on the device x head_dim`` elements, the
@@ -16,6 +16,7 @@ layer, which vLLM's MLA backends keep whole on every rank (it is not split over 
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -63,7 +64,13 @@ class Quantization:
             if entry.startswith("re:"):
                 if re.match(entry[3:], module):
                     return False
-            elif module == entry or module.endswith("." + entry):
+            # A name, a name's last parts, or a glob ("model.layers.*.self_attn"), module or
+            # any module below it.
+            elif any(
+                fnmatch.fnmatchcase(module, f"{lead}{entry}{tail}")
+                for lead in ("", "*.")
+                for tail in ("", ".*")
+            ):
                 return False
         return True
 
@@ -95,6 +102,9 @@ def read_quantization(config: Mapping[str, Any]) -> Quantization | None:
         return Quantization(
             method, 1 + 4 / (int(block[0]) * int(block[1])), tuple(ignore), quantizes_lm_head=False
         )
+    if method == "mxfp4":  # gpt-oss: 4-bit experts, one 8-bit scale per 32 weights
+        ignore = tuple(quant.get("modules_to_not_convert") or ())
+        return Quantization(method, 4 / 8 + 1 / 32, ignore, quantizes_lm_head=False)
     if "bits" in quant:  # awq, gptq and the like: packed ints plus fp16 scales and zeros
         group_size = int(quant.get("group_size") or 128)
         ignore = tuple(quant.get("modules_to_not_convert") or ())
@@ -103,7 +113,7 @@ def read_quantization(config: Mapping[str, Any]) -> Quantization | None:
         )
     raise ValueError(
         f"quantization_config quant_method {method!r}: the weight bytes of this method are not "
-        "known here (known: compressed-tensors, fp8, and methods with bits/group_size)"
+        "known here (known: compressed-tensors, fp8, mxfp4, and methods with bits/group_size)"
     )
 
 

@@ -215,6 +215,39 @@ def test_regenerate_prompts_use_the_templates_argument_encoding(deepseek, qwen3_
     assert '```json\n{"expression": "17 * 23"}\n```' in prompt
 
 
+def test_a_template_carrying_state_across_turns_gets_each_turn(deepseek):
+    """DeepSeek-V3's template writes a second call turn without its header and text (its
+    ``is_first`` flag is never reset): each turn's span stops where the turn does, and the
+    dropped text is counted."""
+    messages = [
+        {"role": "user", "content": "17 * 23, then add 9?"},
+        {
+            "role": "assistant",
+            "content": "Multiplying.",
+            "tool_calls": [calculator_call("17 * 23")],
+        },
+        {"role": "tool", "content": "391", "tool_call_id": "call_1"},
+        {
+            "role": "assistant",
+            "content": "Adding.",
+            "tool_calls": [calculator_call("391 + 9", "call_2")],
+        },
+        {"role": "tool", "content": "400", "tool_call_id": "call_2"},
+        {"role": "assistant", "content": "400.", "reasoning_content": "391 + 9 = 400."},
+    ]
+    call = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator\n```json\n"
+    end = "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+    assert masked_texts(deepseek, messages, [CALCULATOR_TOOL]) == [
+        f'Multiplying.<｜tool▁calls▁begin｜>{call}{{"expression": "17 * 23"}}{end}',
+        f'{call}{{"expression": "391 + 9"}}{end}',
+        "400.<｜end▁of▁sentence｜>",
+    ]
+    encoded = ChatTemplateMasker(deepseek).encode(messages, tools=[CALCULATOR_TOOL])
+    assert encoded.unrendered_answers == 1  # "Adding."
+    assert encoded.unrendered_reasoning == 1  # the template renders no reasoning
+    assert encoded.unrendered_tool_calls == 0
+
+
 # ------------------------------------------------------------------ <think> inside an answer
 
 

@@ -63,6 +63,9 @@ class MaskedTokens:
     # those of them whose text holds ``</think>`` (a template splitting answers at that tag)
     unrendered_answers: int = 0
     unrendered_think_answers: int = 0
+    # assistant turns whose reasoning the template does not render (Qwen3 drops it before the
+    # last user turn, DeepSeek-V3 always): not trained, counted
+    unrendered_reasoning: int = 0
 
 
 class ChatTemplateMasker:
@@ -123,8 +126,16 @@ class ChatTemplateMasker:
                 span = self._span_by_sentinel(messages, index, full, cursor, tools)
             except Exception:
                 span = None  # the template refuses the sentinel turn: try prefixes
+            by_prefix = self._span_by_prefix(messages, index, full, tools)
             if span is None:
-                span = self._span_by_prefix(messages, index, full, tools)
+                span = by_prefix
+            elif by_prefix is not None:
+                # Both over-reach in their own way: the prefix span takes a think block the
+                # template writes for the last turn only; the sentinel span takes what follows
+                # the turn when the template carries state across turns (DeepSeek-V3's call
+                # turns render differently after the sentinel). The turn is what both hold.
+                overlap = (max(span[0], by_prefix[0]), min(span[1], by_prefix[1]))
+                span = overlap if overlap[0] < overlap[1] else span
             if span is None or span[0] < cursor:
                 raise ChatTemplateError(
                     f"assistant message {index} not found in the rendered conversation: "
@@ -165,6 +176,24 @@ class ChatTemplateMasker:
                 if missing:
                     unrendered += 1
                     break
+        return unrendered
+
+    def unrendered_reasoning(
+        self, full: str, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None
+    ) -> int:
+        """Assistant turns with reasoning that renders the same without it."""
+        unrendered = 0
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant" or not message.get("reasoning_content"):
+                continue
+            without = {k: v for k, v in message.items() if k != "reasoning_content"}
+            try:
+                rendered = self.render(
+                    [*messages[:index], without, *messages[index + 1 :]], tools=tools
+                )
+            except Exception:  # the template refuses the turn without it: it renders it
+                continue
+            unrendered += rendered == full
         return unrendered
 
     def unrendered_answers(
@@ -303,6 +332,7 @@ class ChatTemplateMasker:
             unrendered_tool_calls=self.unrendered_tool_calls(full, messages, spans, tools),
             unrendered_answers=len(unrendered),
             unrendered_think_answers=sum(1 for m in unrendered if "</think>" in m["content"]),
+            unrendered_reasoning=self.unrendered_reasoning(full, messages, tools),
         )
 
     def _tokenize(self, text: str) -> Any:

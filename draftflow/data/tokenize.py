@@ -178,6 +178,7 @@ def tokenize_corpus(
             # Turns whose text the template leaves out (Llama 3.1 writes only the call of a
             # turn that also has text): trained as the template renders them, counted.
             counts["answer_text_not_rendered_turns"] += encoded.unrendered_answers
+            counts["reasoning_not_rendered_turns"] += encoded.unrendered_reasoning
             if encoded.truncated:
                 if settings.long_samples == "drop":
                     counts["dropped_long"] += 1
@@ -237,6 +238,7 @@ def tokenize_corpus(
                 "skipped_tool_calls_not_rendered",
                 "skipped_answer_cut_at_think_tag",
                 "answer_text_not_rendered_turns",
+                "reasoning_not_rendered_turns",
                 "tool_call_turns",
             )
         },

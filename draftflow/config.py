@@ -101,3 +101,15 @@ def missing_run_keys(config: Mapping[str, Any]) -> list[str]:
     if not (config.get("corpus") or {}).get("sources"):
         missing.append("corpus.sources")
     return missing
+
+
+def extract_section(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What an extract job's ``ExtractSettings`` is built from: the ``extract:`` section but
+    for ``num_shards`` (the DAG's), plus the engine's device and tensor parallel size and the
+    target's ``trust_remote_code``."""
+    return {
+        **{key: value for key, value in config["extract"].items() if key != "num_shards"},
+        "engine_device": config["engine"]["device"],
+        "tensor_parallel_size": config["engine"]["tensor_parallel_size"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+    }

@@ -47,8 +47,6 @@ rule bench_engines:
         bench=bench_engine_settings(),
         ks=bench_ks(),
         datasets=bench_dataset_names(),
-        dtype=bench_dtype(),
-        trust_remote_code=config["target"]["trust_remote_code"],
         code=stage_code("bench_engines"),
     script:
         "../scripts/bench_engines.py"

@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from draftflow.config import validate_config
+from draftflow.config import extract_section, validate_config
 
 # Fills every default from config/schema.yaml; refuses a config without a target or corpus.
 validate_config(config)
@@ -109,35 +109,12 @@ def train_threads():
 
 
 def extract_settings():
-    """Every extract setting a capture job uses (num_shards shapes the DAG, not a job)."""
-    engine = config["engine"]
-    return {
-        **{key: value for key, value in config["extract"].items() if key != "num_shards"},
-        "engine_device": engine["device"],
-        "tensor_parallel_size": engine["tensor_parallel_size"],
-    }
+    """Every extract setting a capture job uses (num_shards shapes the DAG, not a job), with the
+    engine's device and tensor parallel size and the target's trust_remote_code."""
+    return extract_section(config)
 
 
 # ---------------------------------------------------------------- bench and report
-BENCH_SETTINGS = (
-    "temperature",
-    "top_p",
-    "seed",
-    "max_tokens",
-    "repeats",
-    "warmup_tokens",
-    "max_model_len",
-    "max_num_seqs",
-    "gpu_memory_utilization",
-    "kv_cache_memory_bytes",
-    "schedule",
-    "starts",
-    "tie_margin",
-    "reserved_cpus",
-    "engine_args",
-)
-
-
 def bench_dataset_names():
     return [entry["name"] for entry in config["bench"]["datasets"]]
 
@@ -158,11 +135,13 @@ def bench_dataset(wildcards):
 
 
 def bench_engine_settings():
-    """Every bench setting an engine uses, so that changing one reruns the engines.
+    """Every bench setting an engine uses (engine section and dtype resolved), so that changing
+    one reruns the engines. The list of k is left out: adding a k runs only the new engine."""
+    from dataclasses import asdict
 
-    The list of k is left out: adding a k runs only the new engine.
-    """
-    return {key: config["bench"][key] for key in BENCH_SETTINGS}
+    from draftflow.bench.settings import bench_settings
+
+    return asdict(bench_settings(config))
 
 
 def bench_ks():
@@ -182,11 +161,6 @@ def bench_engine_results():
 def bench_prompt_files():
     """Every prompt set, in config order (the engine job runs them all)."""
     return [str(RESULTS / "bench" / "prompts" / f"{name}.jsonl") for name in bench_dataset_names()]
-
-
-def bench_dtype():
-    """Engine dtype: bench.dtype, else the prepared target's dtype."""
-    return config["bench"]["dtype"] or config["target"]["dtype"]
 
 
 def bench_threads():

@@ -47,6 +47,5 @@ rule extract:
     params:
         code=stage_code("extract"),
         extract=extract_settings(),
-        trust_remote_code=config["target"]["trust_remote_code"],
     script:
         "../scripts/extract.py"

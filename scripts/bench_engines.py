@@ -6,13 +6,14 @@ The engines run in a child process (draftflow.bench.engine), so no vLLM engine s
 """
 
 from draftflow.bench.prompts import read_prompts
-from draftflow.bench.run import engine_request, request_settings, run_engines
-from draftflow.engine_settings import engine_settings
+from draftflow.bench.run import engine_request, run_engines
+from draftflow.bench.settings import bench_settings
 from draftflow.workflow.gpu import gpu_lease
 from draftflow.workflow.script import setup_logging, target_dir
 
 log = setup_logging(snakemake)
-settings = snakemake.params.bench
+# The rule's params.bench is the same settings, for Snakemake's rerun trigger.
+settings = bench_settings(snakemake.config)
 ks = [int(k) for k in snakemake.params.ks]
 request = engine_request(
     target=str(target_dir(snakemake)),
@@ -22,21 +23,12 @@ request = engine_request(
         name: read_prompts(path)
         for name, path in zip(snakemake.params.datasets, snakemake.input.prompts, strict=True)
     },
-    **request_settings(
-        settings,
-        dtype=snakemake.params.dtype,
-        trust_remote_code=snakemake.params.trust_remote_code,
-        # engine.tensor_parallel_size: on GPUs the job's leased GPUs.
-        tensor_parallel_size=engine_settings(snakemake.config, "bench").tensor_parallel_size,
-    ),
+    # engine.tensor_parallel_size GPUs per engine: on GPUs the job's leased GPUs.
+    settings=settings,
 )
 # The engines run in a child process: it inherits the leased CUDA_VISIBLE_DEVICES.
 with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
-    results = run_engines(
-        request,
-        dict(zip(ks, snakemake.output, strict=True)),
-        settings["reserved_cpus"],
-    )
+    results = run_engines(request, dict(zip(ks, snakemake.output, strict=True)))
 for k, result in results.items():
     for run in result["runs"]:
         log.info(

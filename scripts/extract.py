@@ -21,12 +21,7 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os.dup2(sys.stderr.fileno(), 1)
         os.dup2(sys.stderr.fileno(), 2)
-    settings = from_section(
-        ExtractSettings,
-        snakemake.params.extract,
-        "extract",
-        trust_remote_code=snakemake.params.trust_remote_code,
-    )
+    settings = from_section(ExtractSettings, snakemake.params.extract, "extract")
     # Every extract job logs the plan of all of them (the first job to run shows it first).
     output = Path(snakemake.output[0])
     plan = plan_extract(

@@ -16,16 +16,17 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     log = setup_logging(snakemake)
     model_dir = target_dir(snakemake)
     settings = from_section(RegenerateSettings, snakemake.params.settings, "corpus.regenerate")
+    # The engine's devices, context and memory (max_model_len null = tokenize.max_length).
     engine = engine_settings(snakemake.config, "regenerate")
-    max_model_len = settings.max_model_len
+    max_model_len = engine.max_model_len
     conversations = read_conversations(snakemake.input.conversations)
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
         llm = make_engine(
             model_dir,
             max_model_len=max_model_len,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            reserved_cpus=settings.reserved_cpus,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+            reserved_cpus=engine.reserved_cpus,
             trust_remote_code=snakemake.params.trust_remote_code,
             seed=settings.seed,
             # engine.tensor_parallel_size: on GPUs the job's leased GPUs.

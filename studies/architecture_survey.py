@@ -70,6 +70,7 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
     from draftflow.capture.extract import VerifySettings
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.verify import cosine_failures, cosine_summary, token_cosines
+    from draftflow.config import DEMO_CONFIG, from_section, load_config
 
     target = build_target(name, work / name, tokenizer)
     architecture = json.loads((target / "config.json").read_text())["architectures"][0]
@@ -101,7 +102,10 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
         reference.close()
     cosines = torch.cat([token_cosines(c, r) for c, r in zip(captured, expected, strict=True)])
     summary = cosine_summary(cosines, layers.layer_ids)
-    thresholds = VerifySettings()
+    # The demo's verification thresholds (config/demo.yaml, extract.verify).
+    thresholds = from_section(
+        VerifySettings, load_config(DEMO_CONFIG)["extract"]["verify"], "extract.verify"
+    )
     row["per_layer"] = summary
     row["failures"] = cosine_failures(
         summary, thresholds.min_mean_cosine, thresholds.min_p01_cosine

@@ -39,9 +39,9 @@ MAX_NEW_TOKENS = 192  # corpus.regenerate.max_tokens
 
 
 def _config() -> dict:
-    from draftflow.config import load_config
+    from draftflow.config import DEMO_CONFIG, load_config
 
-    return load_config(REPO / "config" / "config.yaml")
+    return load_config(DEMO_CONFIG)
 
 
 # ------------------------------------------------------------------ pack (here)
@@ -166,7 +166,7 @@ def data(args: argparse.Namespace) -> None:
     import torch
 
     from draftflow.capture.extract import ExtractSettings, run_extract
-    from draftflow.config import from_section
+    from draftflow.config import extract_section, from_section
     from draftflow.data.shard import shard_splits
     from draftflow.data.split import split_samples
     from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
@@ -206,7 +206,13 @@ def data(args: argparse.Namespace) -> None:
 
     mark = time.perf_counter()
     tok, split = config["tokenize"], config["split"]
-    settings = from_section(TokenizeSettings, tok, "tokenize", split=split)
+    settings = from_section(
+        TokenizeSettings,
+        tok,
+        "tokenize",
+        split=split,
+        enable_thinking=config["corpus"]["regenerate"]["enable_thinking"],
+    )
     tokenize_corpus(
         work / "corpus.jsonl",
         target,
@@ -232,8 +238,11 @@ def data(args: argparse.Namespace) -> None:
     timings["tokenize_split_shard"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    extract = {**config["extract"], "backend": "hf", "use_gpu": device == "cuda"}
-    del extract["num_shards"]  # the DAG's, not a capture job's
+    extract = {
+        **extract_section(config),
+        "backend": "hf",
+        "engine_device": "gpu" if device == "cuda" else "cpu",
+    }
     extract_settings = from_section(ExtractSettings, extract, "extract")
     for split_name, paths in shards.items():
         for path in paths:
@@ -373,7 +382,7 @@ def draft(args: argparse.Namespace) -> None:
 def bench(args: argparse.Namespace) -> None:
     """The bench_engines rule's engines (vLLM, config.yaml's ``bench:`` settings) for one draft."""
     from draftflow.bench.prompts import load_prompts
-    from draftflow.bench.run import request_settings
+    from draftflow.bench.settings import bench_settings
     from draftflow.bench.suite import run_benchmark
 
     config = _config()
@@ -396,8 +405,7 @@ def bench(args: argparse.Namespace) -> None:
         draft=str(args.draft),
         ks=args.ks,
         out_dir=args.out,
-        reserved_cpus=settings["reserved_cpus"],
-        **request_settings(settings, dtype=settings["dtype"] or config["target"]["dtype"]),
+        settings=bench_settings(config),
     )
     for name, table in tables.items():
         print(name)

@@ -172,14 +172,14 @@ def unpack(data: Path, work: Path) -> Path:
 def train(args: argparse.Namespace) -> None:
     import torch
 
-    from draftflow.config import from_section, load_config
+    from draftflow.config import DEMO_CONFIG, from_section, load_config
     from draftflow.train.cli import launch
     from draftflow.train.job import TrainJob
     from draftflow.train.metrics import read_metrics
     from draftflow.train.settings import TrainSettings
 
     data = unpack(args.data, args.work)
-    section = load_config(REPO / "config" / "config.yaml")["train"]
+    section = load_config(DEMO_CONFIG)["train"]
     settings = from_section(TrainSettings, section, "train")
     overrides = {"device": args.device, "threads": args.threads}
     if args.epochs is not None:

@@ -34,7 +34,8 @@ from typing import Any
 import yaml
 from workdir_study import add_run_parser, workdir_config
 
-CONFIG_FILES: tuple[str, ...] = ()  # the demo: config/config.yaml alone
+# The demo's workdir (make demo: --configfile config/demo.yaml).
+CONFIG_FILES: tuple[str, ...] = ("config/demo.yaml",)
 SECTIONS = ("train", "vocab")
 
 

@@ -52,7 +52,7 @@ from workdir_study import TARGET, add_run_parser, workdir_config
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("defaults", "draftflow")
 # A quality-curve workdir's config files, merged in this order (as its Snakemake run merges them).
-CONFIG_FILES = ("config/config.yaml", "config/examples/smollm2-gpu.yaml", "curve.yaml")
+CONFIG_FILES = ("config/examples/smollm2-gpu.yaml", "curve.yaml")
 SERVER_START_S = 900
 # How speculators computes its losses, for every recipe: its fused Triton losses inside its
 # torch.compile'd step stop torch 2.11's Dynamo on the H200 ("ListVariable ... is already
@@ -294,21 +294,23 @@ class Stages:
     def _data(self) -> None:
         from draftflow.capture.layers import capture_layers
         from draftflow.engine import engine_env
+        from draftflow.engine_settings import engine_settings
         from draftflow.io import atomic_write_json
 
         layers = capture_layers(self.target, self.config["extract"]["aux_layers"]).layer_ids
-        extract = self.config["extract"]
+        # The extract stage's engine settings: the server captures what extract would.
+        extract = engine_settings(self.config, "extract")
         engine = {
-            "max_model_len": server_context(self.target, self.config["tokenize"]["max_length"]),
-            "gpu_memory_utilization": extract["gpu_memory_utilization"],
-            "kv_cache_memory_bytes": extract["kv_cache_memory_bytes"],
+            "max_model_len": server_context(self.target, extract.max_model_len),
+            "gpu_memory_utilization": extract.gpu_memory_utilization,
+            "kv_cache_memory_bytes": extract.kv_cache_memory_bytes,
             "trust_remote_code": self.config["target"]["trust_remote_code"],
         }
         cache = self.out / "server_cache"
         hidden = self.out / "hidden_states"
         command = server_command(self.target, cache, layers, self.port, engine)
         # draftflow's engines' environment: on GPUs without flashinfer, vLLM's own sampler.
-        env = engine_env(reserved_cpus=extract["reserved_cpus"])
+        env = engine_env(reserved_cpus=extract.reserved_cpus)
         with vllm_server(command, self.port, self.out / "logs" / "server.log", env) as url:
             speculators_cli(
                 "prepare-data",

@@ -34,8 +34,7 @@ def add_run_parser(commands: Any, config_files: tuple[str, ...]) -> argparse.Arg
 
 def workdir_files(files: tuple[str, ...]) -> list[str]:
     """The config files in the order the workdir's Snakemake run merged them: the Snakefile's
-    own first, then ``files``. Without it every key the overlays leave out would fall back to
-    the schema's default, not the workflow's (a GPU study once trained with AdamW that way)."""
+    own first (config/config.yaml, which a test's workflow copy fills), then ``files``."""
     return [WORKFLOW_CONFIG, *(name for name in files if name != WORKFLOW_CONFIG)]
 
 
@@ -44,7 +43,8 @@ def workdir_config(workdir: Path, files: tuple[str, ...]) -> dict[str, Any]:
     validated, defaults filled."""
     from draftflow.config import load_config
 
-    return load_config(*(workdir / name for name in workdir_files(files)))
+    base, *overlays = workdir_files(files)
+    return load_config(*(workdir / name for name in overlays), base=workdir / base)
 
 
 def bench_draft(
@@ -53,7 +53,7 @@ def bench_draft(
     """``draft`` against the workdir's plain target at each of ``ks``, tables in ``out_dir`` as
     in the workdir's ``results/bench/``; the prompt sets' names."""
     from draftflow.bench.prompts import read_prompts
-    from draftflow.bench.run import request_settings
+    from draftflow.bench.settings import bench_settings
     from draftflow.bench.suite import run_benchmark
 
     bench = config["bench"]
@@ -65,11 +65,6 @@ def bench_draft(
         draft=str(draft),
         ks=ks,
         out_dir=out_dir,
-        reserved_cpus=bench["reserved_cpus"],
-        **request_settings(
-            bench,
-            dtype=bench["dtype"] or config["target"]["dtype"],
-            trust_remote_code=config["target"]["trust_remote_code"],
-        ),
+        settings=bench_settings(config),
     )
     return names

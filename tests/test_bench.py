@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from config_support import demo_bench_settings
 
 from draftflow.bench.counters import (
     ACCEPTED_PER_POS,
@@ -217,19 +218,23 @@ def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytes
         draft=str(random_draft_dir),
         ks=[1, 2],
         out_dir=out,
-        max_tokens=16,
-        warmup_tokens=4,
-        repeats=2,
-        starts="together",
-        engine={
-            "max_model_len": 1024,
-            "max_num_seqs": 1,
-            "kv_cache_memory_bytes": 128 << 20,
-            # In bf16 the verify pass (k + 1 query tokens) rounds differently from a plain
-            # decode step, and a near-tie between two tokens can flip (seen: MT-bench 81,
-            # token 3). float32 keeps the check about the algorithm, not about rounding.
-            "dtype": "float32",
-        },
+        settings=demo_bench_settings(
+            max_tokens=16,
+            warmup_tokens=4,
+            repeats=2,
+            starts="together",
+            tie_margin=0.0,
+            engine={
+                "max_model_len": 1024,
+                "max_num_seqs": 1,
+                "kv_cache_memory_bytes": 128 << 20,
+                # In bf16 the verify pass (k + 1 query tokens) rounds differently from a plain
+                # decode step, and a near-tie between two tokens can flip (seen: MT-bench 81,
+                # token 3). float32 keeps the check about the algorithm, not about rounding.
+                "dtype": "float32",
+                "reserved_cpus": 1,
+            },
+        ),
     )
     return tables["mtbench"], out
 

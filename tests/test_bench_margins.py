@@ -206,7 +206,9 @@ def test_a_plain_engine_measures_planted_differences(study, tiny_pipeline, tmp_p
     }
     shared = {key: request[key] for key in ("sampling", "prompt_sets", "warmup_tokens")}
     with engine_processes(
-        {0: {**shared, "engine": engine}}, tmp_path, engine_environment(request, 1)
+        {0: {**shared, "engine": engine}},
+        tmp_path,
+        engine_environment({**request, "reserved_cpus": 1}),
     ) as processes:
         measured = processes[0].margins(planted)
     assert len(measured) == len(planted)

@@ -99,6 +99,8 @@ def test_workflow_refuses_engines_that_cannot_share_at_start(tmp_path):
 def run_engine_pair(tiny_pipeline, tmp_path, caplog, prompts, **settings):
     """k = 0 and k = 1 on the tiny workflow's target and draft: their results, and the bench's
     engine events (starting, ready, stopped) in order."""
+    from config_support import demo_bench_settings
+
     from draftflow.bench.run import engine_request, run_engines
 
     request = engine_request(
@@ -106,8 +108,17 @@ def run_engine_pair(tiny_pipeline, tmp_path, caplog, prompts, **settings):
         str(tiny_pipeline / "results" / "train" / "draft"),
         [0, 1],
         {"set": prompts},
-        engine={"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 64 << 20},
-        **settings,
+        # The demo's bench but for these; bf16 as the tiny workflow's own bench runs it.
+        demo_bench_settings(
+            engine={
+                "max_model_len": 512,
+                "max_num_seqs": 1,
+                "kv_cache_memory_bytes": 64 << 20,
+                "dtype": "bfloat16",
+            },
+            tie_margin=0.0,
+            **settings,
+        ),
     )
     with caplog.at_level(logging.INFO, logger="draftflow.bench"):
         results = run_engines(request, {k: tmp_path / f"k{k}.json" for k in (0, 1)})

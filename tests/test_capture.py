@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from config_support import extract_settings
 
 from draftflow.capture.backends import (
     EngineSettings,
@@ -21,7 +22,7 @@ from draftflow.capture.backends import (
     resolve_backend,
 )
 from draftflow.capture.backends.hooks import match_request_ids
-from draftflow.capture.extract import ExtractSettings, VerifySettings, partial_dir, run_extract
+from draftflow.capture.extract import partial_dir, run_extract
 from draftflow.capture.layers import capture_layers, default_aux_layers
 from draftflow.capture.store import CaptureReader
 from draftflow.capture.verify import (
@@ -296,9 +297,7 @@ def test_extract_resume_and_verification(tmp_path, smollm2_dir, hooks_backend):
     ids, prompts, masks = write_shard(
         tmp_path / "shard-00000.parquet", [20, 7, 300, 45, 130, 9, 60]
     )
-    settings = ExtractSettings(
-        backend="hooks", chunk_samples=3, verify=VerifySettings(fraction=0.3)
-    )
+    settings = extract_settings(backend="hooks", chunk_samples=3, verify={"fraction": 0.3})
     out = tmp_path / "a" / "shard-00000"
     manifest = run_extract(
         tmp_path / "shard-00000.parquet", smollm2_dir, out, settings, backend=hooks_backend
@@ -333,9 +332,7 @@ def test_extract_resume_and_verification(tmp_path, smollm2_dir, hooks_backend):
 def test_failed_verification_names_layer_and_keeps_store(tmp_path, smollm2_dir, hooks_backend):
     write_shard(tmp_path / "shard-00001.parquet", [30, 12])
     # States stored in bf16 never reach cosine 1 against fp32 everywhere.
-    settings = ExtractSettings(
-        backend="hooks", verify=VerifySettings(fraction=1.0, min_mean_cosine=1.0)
-    )
+    settings = extract_settings(backend="hooks", verify={"fraction": 1.0, "min_mean_cosine": 1.0})
     out = tmp_path / "shard-00001"
     with pytest.raises(CaptureVerificationError, match=r"layer \d+: mean cosine 0\.9\d+ < 1\.0"):
         run_extract(tmp_path / "shard-00001.parquet", smollm2_dir, out, settings, hooks_backend)
@@ -370,7 +367,7 @@ def test_native_backend_matches_hf(smollm2_dir, layers, hf_reference):
 def test_hf_extract_without_vllm_and_empty_shard(tmp_path, smollm2_dir):
     """The fallback path end to end (manifest says no vLLM), and a shard with no samples."""
     write_shard(tmp_path / "shard-00000.parquet", [15, 40])
-    settings = ExtractSettings(backend="hf", verify=VerifySettings(fraction=0.5))
+    settings = extract_settings(backend="hf", verify={"fraction": 0.5})
     out = tmp_path / "hf" / "shard-00000"
     manifest = run_extract(tmp_path / "shard-00000.parquet", smollm2_dir, out, settings)
     assert manifest["backend"] == "hf" and manifest["vllm_version"] is None

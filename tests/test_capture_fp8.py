@@ -156,8 +156,10 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     bytes and match the plan."""
     from dataclasses import replace
 
+    from config_support import extract_settings
+
     from draftflow.capture.backends import EngineSettings, make_backend
-    from draftflow.capture.extract import ExtractSettings, VerifySettings, run_extract
+    from draftflow.capture.extract import run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_store
     from draftflow.capture.quant import Quantized
@@ -182,11 +184,11 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     )
     stores = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
-        settings = ExtractSettings(
+        settings = extract_settings(
             backend="hooks",
             chunk_samples=2,
             store_dtype=dtype,
-            verify=VerifySettings(fraction=1.0, min_mean_cosine=0.995, min_p01_cosine=0.95),
+            verify={"fraction": 1.0, "min_mean_cosine": 0.995, "min_p01_cosine": 0.95},
         )
         backend = make_backend(
             "hooks", smollm2_dir, layers.layer_ids, replace(engine, store_dtype=dtype)

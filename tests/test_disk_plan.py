@@ -7,13 +7,15 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from capture_stores import StoreShape, open_writer
+from config_support import extract_settings
 
-from draftflow.capture.extract import ExtractSettings, VerifySettings, partial_dir, run_extract
+from draftflow.capture.extract import partial_dir, run_extract
 from draftflow.capture.layers import CaptureLayers, capture_layers
 from draftflow.capture.plan import (
     InsufficientSpaceError,
@@ -125,12 +127,12 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
         shard_manifest({"train": lengths}), layers, "float8_e4m3fn", 2, tmp_path, margin_bytes=0
     )
     need = plan["total_bytes"]
-    settings = ExtractSettings(
+    settings = extract_settings(
         backend="hf",
         chunk_samples=2,
         store_dtype="float8_e4m3fn",
         disk_margin_mb=0,
-        verify=VerifySettings(fraction=0.2),
+        verify={"fraction": 0.2},
     )
 
     # bf16 would need twice as much: on a disk of 3/4 of its size it does not start.
@@ -139,7 +141,7 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
     )
     small = small_filesystem(bf16_plan["total_bytes"] * 3 // 4)
     out = small / "extract" / "train" / "shard-00000"
-    bf16 = ExtractSettings(**{**settings.__dict__, "store_dtype": "bfloat16"})
+    bf16 = replace(settings, store_dtype="bfloat16")
     with pytest.raises(InsufficientSpaceError) as refused:
         run_extract(shard, smollm2_dir, out, bf16)
     message = str(refused.value)
@@ -154,7 +156,7 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
             shard,
             smollm2_dir,
             out,
-            ExtractSettings(**{**settings.__dict__, "disk_margin_mb": 1}),
+            replace(settings, disk_margin_mb=1),
         )
 
     # A disk of exactly the planned size (rounded up to tmpfs pages) holds the finished store.
@@ -191,8 +193,8 @@ def test_extract_on_a_disk_that_fills_mid_run_keeps_its_chunks_and_resumes_to_th
     shard = tmp_path / "shard-00000.parquet"
     lengths = [int(n) for n in torch.randint(40, 160, (16,), generator=torch.Generator())]
     write_shard(shard, lengths)
-    settings = ExtractSettings(
-        backend="hf", chunk_samples=1, disk_margin_mb=0, verify=VerifySettings(fraction=0.1)
+    settings = extract_settings(
+        backend="hf", chunk_samples=1, disk_margin_mb=0, verify={"fraction": 0.1}
     )
     reference = run_extract(shard, smollm2_dir, tmp_path / "reference", settings)
 

@@ -48,6 +48,8 @@ def test_a_bench_engine_that_cannot_start_names_the_cause_in_the_jobs_error(
 ):
     """The bench's engines run in processes of their own (draftflow.bench.rounds): the job's
     exception carries the engine's own error, not only an exit code."""
+    from config_support import demo_bench_settings
+
     from draftflow.bench.run import engine_request, run_engines
 
     request = engine_request(
@@ -55,8 +57,10 @@ def test_a_bench_engine_that_cannot_start_names_the_cause_in_the_jobs_error(
         None,
         [0],
         {"set": [{"id": "a", "turns": ["Hello"]}]},
-        max_tokens=4,
-        engine={"max_model_len": 64, "max_num_seqs": 1, "kv_cache_memory_bytes": 1 << 24},
+        demo_bench_settings(
+            max_tokens=4,
+            engine={"max_model_len": 64, "max_num_seqs": 1, "kv_cache_memory_bytes": 1 << 24},
+        ),
     )
     with pytest.raises(RuntimeError) as raised:
         run_engines(request, {0: tmp_path / "k0.json"})

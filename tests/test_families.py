@@ -21,10 +21,14 @@ from draftflow.capture.decoder_search import DecoderNotFoundError, find_decoder
 from draftflow.capture.extract import VerifySettings
 from draftflow.capture.layers import capture_layers, default_aux_layers
 from draftflow.capture.verify import cosine_summary, token_cosines
+from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.engine import EngineStartError, is_multimodal_wrapper
 
 # The extract job's verification (extract.verify defaults): what a shard must pass.
-THRESHOLDS = VerifySettings()
+# The demo's verification thresholds (config/demo.yaml, extract.verify).
+THRESHOLDS = from_section(
+    VerifySettings, load_config(DEMO_CONFIG)["extract"]["verify"], "extract.verify"
+)
 LENGTHS = [7, 300, 40, 130, 64]
 # Chunked prefill (prompts longer than 128 tokens) and more prompts than sequences.
 ENGINE = EngineSettings(
@@ -344,17 +348,14 @@ def test_llava_on_the_cpu_build_fails_with_one_clear_error(family_targets):
 
 
 def test_kimi_k25_example_validates_against_the_schema(repo_root):
-    """config/examples/kimi-k2.5-8gpu.yaml as Snakemake reads it (merged over the default)."""
-    import yaml
-    from snakemake.utils import update_config, validate
-
-    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
-    example = yaml.safe_load((repo_root / "config/examples/kimi-k2.5-8gpu.yaml").read_text())
-    update_config(config, example)
-    validate(config, str(repo_root / "config" / "schema.yaml"))
+    """config/examples/kimi-k2.5-8gpu.yaml as Snakemake reads it (merged over the schema's
+    defaults and config/config.yaml)."""
+    config = load_config(repo_root / "config/examples/kimi-k2.5-8gpu.yaml")
     assert config["target"]["trust_remote_code"] is True  # its tiktoken tokenizer is remote code
     extract = config["extract"]
-    assert extract["use_gpu"] and extract["tp_size"] == 8 == config["resources"]["train_gpus"]
+    engine = config["engine"]
+    assert engine["device"] == "gpu"
+    assert engine["tensor_parallel_size"] == 8 == config["resources"]["train_gpus"]
     # Kimi-K2.5's text model has 61 layers: the ids are vLLM's EAGLE-3 default for it.
     assert extract["aux_layers"] == default_aux_layers(61)
 

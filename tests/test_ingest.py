@@ -32,12 +32,15 @@ def run_ingest(
     tmp_path: Path, sources: list[dict], **kwargs
 ) -> tuple[list[dict], list[dict], dict]:
     out = tmp_path / "out"
+    # Every source and setting named, as the validated config gives them: the whole corpus,
+    # records of any layout, bad ones skipped, unless a test says otherwise.
+    settings = {"max_conversations": None, "seed": 0, "on_bad_record": "skip", **kwargs}
     summary = ingest(
-        sources,
+        [{"format": "auto", **source} for source in sources],
         out / "ingested.jsonl",
         out / "rejects.jsonl",
         out / "ingest_summary.json",
-        **kwargs,
+        **settings,
     )
     conversations = [json.loads(line) for line in (out / "ingested.jsonl").read_text().splitlines()]
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
@@ -434,10 +437,10 @@ def test_ingest_rule_runs_in_snakemake(tmp_path: Path, repo_root: Path) -> None:
 
 
 def yaml_config(repo_root: Path, corpus: Path) -> dict:
-    """The repository's config with a tiny corpus in place of ShareGPT."""
-    import yaml
+    """The demo's config with a tiny corpus in place of ShareGPT."""
+    from draftflow.config import load_config
 
-    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    config = load_config(repo_root / "config" / "demo.yaml")
     config["corpus"].update(
         sources=[{"name": "tiny", "path": str(corpus), "format": "auto"}],
         max_conversations=5,

@@ -21,10 +21,13 @@ TOOLS_SHAREGPT = DATA / "tools_sharegpt.json"
 def run(tmp_path: Path, *sources: tuple[str, Path]) -> tuple[dict[str, dict], list[dict], dict]:
     out = tmp_path / "out"
     summary = ingest(
-        [{"name": name, "path": str(path)} for name, path in sources],
+        [{"name": name, "path": str(path), "format": "auto"} for name, path in sources],
         out / "ingested.jsonl",
         out / "rejects.jsonl",
         out / "summary.json",
+        max_conversations=None,
+        seed=0,
+        on_bad_record="skip",
     )
     lines = (out / "ingested.jsonl").read_text().splitlines()
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]

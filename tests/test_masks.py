@@ -8,11 +8,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from config_support import split_settings, tokenize_settings
 from safetensors.numpy import load_file
 
 from draftflow.data.masks import ChatTemplateMasker, mask_from_spans
-from draftflow.data.split import SplitSettings, assign_split
-from draftflow.data.tokenize import TokenizeSettings, limit_turns, tokenize_corpus
+from draftflow.data.split import assign_split
+from draftflow.data.tokenize import limit_turns, tokenize_corpus
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
@@ -301,7 +302,8 @@ def run_tokenize(out: Path, corpus: Path, target: Path, **settings) -> tuple[dic
         out / "samples.parquet",
         out / "token_freq.safetensors",
         out / "summary.json",
-        TokenizeSettings(**settings),
+        # The demo's settings, but long enough that no sample here is cut unless a test says so.
+        tokenize_settings(**{"max_length": 2048, **settings}),
     )
     table = pq.read_table(out / "samples.parquet")
     freq = load_file(str(out / "token_freq.safetensors"))
@@ -310,7 +312,7 @@ def run_tokenize(out: Path, corpus: Path, target: Path, **settings) -> tuple[dic
 
 def test_tokenize_corpus_writes_contract_files(tmp_path, corpus, llama3_target, llama3_tokenizer):
     summary, table, freq = run_tokenize(
-        tmp_path / "out", corpus, llama3_target, split=SplitSettings(val_fraction=0.3)
+        tmp_path / "out", corpus, llama3_target, split=split_settings(val_fraction=0.3)
     )
     assert table.column_names == ["id", "input_ids", "loss_mask", "num_tokens", "num_masked"]
     assert table.schema.field("input_ids").type.value_type == pa.int32()
@@ -389,4 +391,4 @@ def test_tokenize_counts_conversations_the_template_refuses(tmp_path, corpus, ge
 
 def test_tokenize_settings_reject_unknown_policy():
     with pytest.raises(ValueError, match="long_samples = 'cut'"):
-        TokenizeSettings(long_samples="cut")
+        tokenize_settings(long_samples="cut")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from config_support import split_settings, tokenize_settings
 
 from draftflow.data.masks import ChatTemplateMasker
-from draftflow.data.split import SplitSettings
-from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
+from draftflow.data.tokenize import tokenize_corpus
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 
@@ -263,7 +263,7 @@ def test_tokenize_passes_tools_and_skips_turns_a_template_drops(
             tmp_path / f"{name}.parquet",
             tmp_path / f"{name}.safetensors",
             tmp_path / f"{name}.json",
-            TokenizeSettings(max_length=1024, split=SplitSettings(val_fraction=0.0)),
+            tokenize_settings(max_length=1024, split=split_settings(val_fraction=0.0)),
         )
         if name == "qwen3":
             assert summary["samples"] == 2

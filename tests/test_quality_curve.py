@@ -17,15 +17,14 @@ def curve():
 
 
 @pytest.mark.parametrize("conversations", [6000, 24000])
-def test_each_size_validates_over_the_gpu_example(curve, conversations):
-    """What Snakemake reads for one size: the default, the GPU example, the size's overlay."""
-    import yaml
-    from snakemake.utils import update_config, validate
+def test_each_size_validates_over_the_gpu_example(curve, conversations, tmp_path):
+    """What Snakemake reads for one size: the schema's defaults, config/config.yaml, the GPU
+    example, the size's overlay."""
+    from draftflow.config import load_config
 
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    update_config(config, yaml.safe_load((REPO / curve.BASE_CONFIG).read_text()))
-    update_config(config, curve.overlay(conversations, per_shard=4000))
-    validate(config, str(REPO / "config" / "schema.yaml"))
+    overlay = tmp_path / "curve.yaml"
+    overlay.write_text(json.dumps(curve.overlay(conversations, per_shard=4000)))  # JSON is YAML
+    config = load_config(REPO / curve.BASE_CONFIG, overlay)
     assert config["corpus"]["max_conversations"] == conversations
     assert config["extract"]["num_shards"]["train"] == conversations // 4000 + (
         conversations % 4000 > 0
@@ -68,7 +67,7 @@ def test_an_engine_share_lets_sizes_share_one_gpu(curve, tmp_path):
 
     workdir = curve.prepare_workdir(tmp_path, 640, 4000, tokens_per_batch=1024, engine_share=0.04)
     config = load_config(
-        workdir / "config/config.yaml", workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY
+        workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY, base=workdir / "config/config.yaml"
     )
     assert config["corpus"]["regenerate"]["gpu_memory_utilization"] == 0.04
     assert config["corpus"]["regenerate"]["max_tokens"] == 192  # the example's, kept
@@ -90,7 +89,7 @@ def test_a_kv_size_starts_the_bench_engines_together(curve, tmp_path):
         tmp_path, 640, 4000, tokens_per_batch=1024, engine_share=0.04, engine_kv_gib=2, epochs=20
     )
     config = load_config(
-        workdir / "config/config.yaml", workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY
+        workdir / curve.BASE_CONFIG, workdir / curve.OVERLAY, base=workdir / "config/config.yaml"
     )
     for section in (config["corpus"]["regenerate"], config["extract"], config["bench"]):
         assert section["kv_cache_memory_bytes"] == 2 * 2**30
@@ -160,8 +159,8 @@ def test_longer_conversations_reach_regeneration_samples_and_store(curve, tmp_pa
 
     def merged(work: Path) -> dict:
         workdir = work / "64"
-        files = ("config/config.yaml", curve.BASE_CONFIG, curve.OVERLAY)
-        return load_config(*(workdir / name for name in files))
+        files = (curve.BASE_CONFIG, curve.OVERLAY)
+        return load_config(*(workdir / name for name in files), base=workdir / "config/config.yaml")
 
     config = merged(tmp_path / "long")
     regenerate = config["corpus"]["regenerate"]

@@ -88,8 +88,8 @@ def test_a_variant_is_benched_as_the_workdir_benches_its_draft(swaps, tiny_pipel
 
 
 def test_the_workdirs_config_starts_from_the_snakefiles_own(swaps, repo_root):
-    """An overlay alone must not fall back to the schema's defaults where config/config.yaml
-    sets a key (the GPU example leaves train.optimizer to it: Muon, not the schema's AdamW)."""
+    """The workdir's config is merged as its Snakemake run merged it: config/config.yaml first,
+    then the --configfile files, over the schema's defaults."""
     from workdir_study import workdir_config, workdir_files
 
     example = "config/examples/smollm2-gpu.yaml"
@@ -99,4 +99,6 @@ def test_the_workdirs_config_starts_from_the_snakefiles_own(swaps, repo_root):
     assert config["train"]["optimizer"] == "muon"
     assert config["bench"]["repeats"] == 1
     assert config["corpus"]["max_conversations"] == 2560  # the example's own
-    assert swaps.CONFIG_FILES == ()
+    assert swaps.CONFIG_FILES == ("config/demo.yaml",)
+    demo = workdir_config(repo_root, swaps.CONFIG_FILES)
+    assert demo["engine"]["device"] == "cpu"

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from config_support import regenerate_settings
 
 from draftflow.corpus.regenerate import (
     PROGRESS_FORMAT,
@@ -25,7 +26,8 @@ from draftflow.corpus.regenerate import (
 from draftflow.corpus.toolcalls import ParsedAnswer
 
 MAX_MODEL_LEN = 256
-SETTINGS = RegenerateSettings(temperature=0.0, max_tokens=8, batch_size=2)
+# The demo's settings (config/demo.yaml) but for these.
+SETTINGS = regenerate_settings(temperature=0.0, max_tokens=8, batch_size=2, max_turns=None)
 
 
 def conversation(conversation_id: str, *messages: tuple[str, str]) -> dict:
@@ -179,7 +181,7 @@ def test_regenerate_answers_turn_by_turn_on_regenerated_history(llm, tmp_path: P
 
 @pytest.mark.vllm
 def test_max_turns_limits_the_regenerated_turns(llm, tmp_path: Path) -> None:
-    settings = RegenerateSettings(temperature=0.0, max_tokens=8, batch_size=4, max_turns=1)
+    settings = regenerate_settings(temperature=0.0, max_tokens=8, batch_size=4, max_turns=1)
     run(llm, tmp_path, settings=settings)
     assert [m["role"] for m in read_output(tmp_path)["test-a"]["messages"]] == ["user", "assistant"]
 
@@ -227,7 +229,7 @@ def test_resume_after_crash_skips_finished_conversations(llm, tmp_path: Path) ->
 def test_regenerate_rule_runs_in_snakemake(
     tmp_path: Path, repo_root: Path, smollm2_dir: Path
 ) -> None:
-    import yaml
+    from draftflow.config import load_config
 
     workdir = tmp_path / "work"
     # The prepared target, copied: the copies are newer than the checkout's code (a cache from
@@ -237,7 +239,7 @@ def test_regenerate_rule_runs_in_snakemake(
     shutil.copytree(smollm2_dir, workdir / "resources" / "target", copy_function=shutil.copy)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    config = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    config = load_config(repo_root / "config" / "demo.yaml")
     config["corpus"].update(sources=[{"name": "tiny", "path": str(corpus)}], max_conversations=None)
     config["corpus"]["regenerate"].update(
         enabled=True,
@@ -419,8 +421,8 @@ def test_tool_template_prompts_carry_tools_and_the_thinking_switch(
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     tokenizer.chat_template = (Path(__file__).parent / "data/templates/qwen3.jinja").read_text()
     monkeypatch.setattr(llm, "get_tokenizer", lambda: tokenizer)
-    settings = RegenerateSettings(
-        temperature=0.0, max_tokens=8, batch_size=2, enable_thinking=False
+    settings = regenerate_settings(
+        temperature=0.0, max_tokens=8, batch_size=2, max_turns=None, enable_thinking=False
     )
     assert answer_parser(settings, tokenizer) == "hermes"
     summary = regenerate(

@@ -184,7 +184,9 @@ def paired_units(
 
 def test_units_give_every_figure_an_interval(bench_csv: Path):
     units = paired_units({1: 1.2, 3: 1.5}, noise=0.01)
-    summary = summarise(pd.read_csv(bench_csv), units, Bootstrap(samples=500))
+    summary = summarise(
+        pd.read_csv(bench_csv), units, Bootstrap(samples=500, confidence=0.95, seed=0)
+    )
     for row in summary.itertuples():
         for name in ("tokens_per_s", "tpot_ms", "speedup", "acceptance_length"):
             assert getattr(row, f"{name}_low") <= getattr(row, name) <= getattr(row, f"{name}_high")
@@ -203,7 +205,9 @@ def test_overlapping_intervals_are_reported_as_a_tie(
 ):
     # k=1 and k=3 measured 1.20x and 1.22x with 10 % noise per time: no k can be named.
     units = paired_units({1: 1.20, 3: 1.22}, noise=0.10, seed=4)
-    summary = summarise(pd.read_csv(bench_csv), units, Bootstrap(samples=500))
+    summary = summarise(
+        pd.read_csv(bench_csv), units, Bootstrap(samples=500, confidence=0.95, seed=0)
+    )
     best = best_k(summary).set_index("dataset")
     assert not bool(best.loc["mtbench", "named_best"])
     assert best.loc["mtbench", "tied"] == "1,3"
@@ -218,7 +222,7 @@ def test_overlapping_intervals_are_reported_as_a_tie(
         [],
         paths,
         unit_csvs=[units_csv],
-        bootstrap=Bootstrap(samples=500, seed=1),
+        bootstrap=Bootstrap(samples=500, confidence=0.95, seed=1),
         schedule=schedule,
     )
     markdown = Path(paths.markdown).read_text()
@@ -344,6 +348,7 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
         run_dirs["draft"],
         run_dirs["extract"],
         paths,
+        Bootstrap(samples=500, confidence=0.95, seed=0),
     )
     summary = pd.read_csv(paths.summary)
     required = [
@@ -390,6 +395,7 @@ def test_build_report_tolerates_missing_training_records(tmp_path, bench_csv, ru
         tmp_path / "no-draft",
         [],
         paths,
+        Bootstrap(samples=500, confidence=0.95, seed=0),
     )
     markdown = Path(paths.markdown).read_text()
     assert "Training steps: unknown" in markdown
@@ -455,9 +461,9 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
     shutil.copytree(run_dirs["draft"], work / "results" / "train" / "draft")
     write_metrics(work / "results" / "train" / "metrics.jsonl")
     # The demo config decides how many train shards the report reads.
-    import yaml
+    from draftflow.config import load_config
 
-    demo = yaml.safe_load((repo_root / "config" / "config.yaml").read_text())
+    demo = load_config(repo_root / "config" / "demo.yaml")
     train_shards = int(demo["extract"]["num_shards"]["train"])
     for split, shard in [*(("train", i) for i in range(train_shards)), ("val", 0)]:
         shard_dir = work / "results" / "extract" / split / f"shard-{shard:05d}"
@@ -468,7 +474,7 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
         "--snakefile",
         str(repo_root / "Snakefile"),
         "--configfile",
-        str(repo_root / "config" / "config.yaml"),
+        str(repo_root / "config" / "demo.yaml"),
     ]
     only_report = ["--allowed-rules", "report", "--", "results/summary.csv"]
     run = subprocess.run(
@@ -490,7 +496,7 @@ def test_report_rule_and_html_report(tmp_path: Path, repo_root: Path, bench_csv:
         work,
         "results/report.html",
         snakefile=repo_root / "Snakefile",
-        configfiles=[repo_root / "config" / "config.yaml"],
+        configfiles=[repo_root / "config" / "demo.yaml"],
         extra_args=only_report,
     )
     assert report.stat().st_size > 100_000  # the five figures are embedded

@@ -1,31 +1,52 @@
-"""Settings dataclasses default to what config/schema.yaml says (the schema fills the config), and
-every one is built from its config section the same way (draftflow.config.from_section)."""
+"""config/schema.yaml is the one source of defaults: every key has one there, no settings
+dataclass has a default of its own, and every one is built from its config section the same way
+(draftflow.config.from_section). The CPU demo (config/demo.yaml) is an overlay over the schema's
+defaults that gives the same config the demo always ran with."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from draftflow.bench.settings import BenchSettings
 from draftflow.capture.extract import ExtractSettings, VerifySettings
-from draftflow.config import from_section, load_config
+from draftflow.config import (
+    BASE_CONFIG,
+    DEMO_CONFIG,
+    extract_section,
+    from_section,
+    load_config,
+)
 from draftflow.corpus.ingest import Source
 from draftflow.corpus.regenerate import RegenerateSettings
 from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings
+from draftflow.engine_settings import EngineSettings
 from draftflow.report.summary import Bootstrap
 from draftflow.train.settings import TrainSettings
 
-SCHEMA = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "config" / "schema.yaml"
 
 # Each settings class, its section (a dotted path; [] an array's items) and the fields it takes
 # from elsewhere (another section, or the rule), by field name -> schema key or None.
 SETTINGS = [
     (TrainSettings, "train", {}),
     (RegenerateSettings, "corpus.regenerate", {}),
-    (ExtractSettings, "extract", {"trust_remote_code": "target.trust_remote_code"}),
+    (
+        ExtractSettings,
+        "extract",
+        {
+            "trust_remote_code": "target.trust_remote_code",
+            "engine_device": "engine.device",
+            "tensor_parallel_size": "engine.tensor_parallel_size",
+        },
+    ),
     (VerifySettings, "extract.verify", {}),
     (
         TokenizeSettings,
@@ -43,11 +64,69 @@ SETTINGS = [
             "seed": "bench.seed",
         },
     ),
+    (BenchSettings, None, {}),
+    (EngineSettings, None, {}),
 ]
+
+# Keys the user must give: they have no default a run could use.
+NO_DEFAULT = {"target", "corpus", "corpus.sources", "corpus.sources[].name"}
+NO_DEFAULT |= {"corpus.sources[].path", "bench.datasets[].name", "bench.datasets[].kind"}
+NO_DEFAULT |= {"bench.datasets[].path"}
+
+# The demo's merged config before config/demo.yaml became an overlay (config/config.yaml, the
+# base of every run then), less the GPU switches that moved to the engine: section.
+DEMO_BEFORE = {
+    "corpus.max_conversations": 384,
+    "corpus.regenerate.max_model_len": 448,
+    "corpus.regenerate.max_tokens": 192,
+    "corpus.regenerate.batch_size": 128,
+    "corpus.regenerate.gpu_memory_utilization": 0.1,
+    "corpus.regenerate.kv_cache_memory_bytes": 1 << 30,
+    "corpus.regenerate.reserved_cpus": 0,
+    "tokenize.max_length": 448,
+    "extract.max_num_batched_tokens": 2048,
+    "extract.max_num_seqs": 64,
+    "extract.gpu_memory_utilization": 0.1,
+    "extract.kv_cache_memory_bytes": 1 << 28,
+    "extract.reserved_cpus": 0,
+    "extract.deterministic": True,
+    "vocab.draft_vocab_size": 4096,
+    "train.tokens_per_batch": 1024,
+    "train.optimizer": "muon",
+    "train.epochs": 3,
+    "train.threads": 2,
+    "bench.dtype": "float32",
+    "bench.max_model_len": 2048,
+    "bench.max_num_seqs": 1,
+    "bench.max_tokens": 128,
+    "bench.repeats": 1,
+    "bench.num_speculative_tokens": [1, 2],
+    "bench.gpu_memory_utilization": 0.05,
+    "bench.kv_cache_memory_bytes": 201326592,
+    "bench.reserved_cpus": 0,
+    "resources.train_gpus": 0,
+    "resources.mem_mb": {"default": 4000, "extract": 8000, "train": 8000, "bench": 14000},
+}
+
+
+def schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def schema_keys(node: dict, prefix: str = "") -> dict[str, dict]:
+    """Every key of the schema, dotted ([] marks an array's items), with its spec."""
+    keys = {}
+    for name, spec in node.get("properties", {}).items():
+        key = f"{prefix}{name}"
+        keys[key] = spec
+        keys.update(schema_keys(spec, f"{key}."))
+        if "items" in spec and spec["items"].get("type") == "object":
+            keys.update(schema_keys(spec["items"], f"{key}[]."))
+    return keys
 
 
 def schema_node(key: str) -> dict:
-    node = yaml.safe_load(SCHEMA.read_text())
+    node = schema()
     for part in key.split("."):
         items = part.endswith("[]")
         node = node["properties"][part.removesuffix("[]")]
@@ -56,54 +135,98 @@ def schema_node(key: str) -> dict:
     return node
 
 
-def schema_default(key: str):
-    section, _, name = key.rpartition(".")
-    spec = schema_node(section)["properties"][name]
-    return spec.get("default", dataclasses.MISSING)
+def dotted(config: dict, key: str):
+    for part in key.split("."):
+        config = config[part]
+    return config
 
 
-def dataclass_default(field: dataclasses.Field):
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
+@pytest.mark.parametrize("settings", [entry[0] for entry in SETTINGS])
+def test_no_settings_field_has_a_default(settings):
+    defaults = [
+        field.name
+        for field in dataclasses.fields(settings)
+        if field.default is not dataclasses.MISSING
+        or field.default_factory is not dataclasses.MISSING
+    ]
+    assert defaults == [], f"{settings.__name__} defaults {defaults}: the schema holds them"
 
 
-def schema_key(section: str | None, elsewhere: dict, name: str) -> str:
-    return elsewhere.get(name) or f"{section}.{name}"
+def test_every_schema_key_has_a_default():
+    keys = schema_keys(schema())
+    missing = {key for key, spec in keys.items() if "default" not in spec}
+    assert sorted(missing - NO_DEFAULT) == []
+    # The listed ones exist (a renamed key would leave a stale entry here).
+    assert set(keys) >= NO_DEFAULT
 
 
 @pytest.mark.parametrize(("settings", "section", "elsewhere"), SETTINGS)
-def test_every_field_is_a_schema_key_with_the_same_default(settings, section, elsewhere):
-    for field in dataclasses.fields(settings):
-        default = dataclass_default(field)
-        if dataclasses.is_dataclass(default):
-            continue  # a section of its own, checked on its own
-        key = schema_key(section, elsewhere, field.name)
-        assert schema_default(key) == default, key
-
-
-@pytest.mark.parametrize(("settings", "section", "elsewhere"), SETTINGS)
-def test_every_schema_key_is_a_field(settings, section, elsewhere):
+def test_every_field_is_a_schema_key(settings, section, elsewhere):
     if section is None:
         return
     keys = set(schema_node(section)["properties"])
+    for field in dataclasses.fields(settings):
+        key = elsewhere.get(field.name) or f"{section}.{field.name}"
+        parent, _, name = key.rpartition(".")
+        assert name in schema_node(parent)["properties"] if parent else True, key
     fields = {f.name for f in dataclasses.fields(settings)} - set(elsewhere)
     # Keys read by the rules rather than by the stage's code.
     rules_only = {"extract": {"num_shards"}, "corpus.regenerate": {"enabled"}}
     assert keys - rules_only.get(section, set()) == fields
 
 
-def test_the_default_config_builds_every_settings_class():
-    config = load_config()
-    extract = {k: v for k, v in config["extract"].items() if k != "num_shards"}
+def test_the_demo_builds_every_settings_class():
+    config = load_config(DEMO_CONFIG)
     regenerate = {k: v for k, v in config["corpus"]["regenerate"].items() if k != "enabled"}
-    assert from_section(ExtractSettings, extract, "extract").verify == VerifySettings(
-        **config["extract"]["verify"]
-    )
+    extract = from_section(ExtractSettings, extract_section(config), "extract")
+    assert extract.verify == VerifySettings(**config["extract"]["verify"])
+    assert (extract.engine_device, extract.tensor_parallel_size) == ("cpu", 1)
     from_section(TrainSettings, config["train"], "train")
     from_section(RegenerateSettings, regenerate, "corpus.regenerate")
     for source in config["corpus"]["sources"]:
         from_section(Source, source, "corpus.sources")
+
+
+def test_the_merged_demo_keeps_its_cpu_values():
+    """config/demo.yaml over the schema's (GPU) defaults: the values the demo ran with."""
+    config = load_config(DEMO_CONFIG)
+    assert config["engine"] == {"device": "cpu", "tensor_parallel_size": 1}
+    for key, value in DEMO_BEFORE.items():
+        assert dotted(config, key) == value, key
+
+
+def test_schema_defaults_are_for_gpu_runs():
+    """A config that names only a target and a corpus gets GPU settings, not the demo's."""
+    defaults = {key: spec.get("default") for key, spec in schema_keys(schema()).items()}
+    assert defaults["engine.device"] == "gpu"
+    for stage in ("corpus.regenerate", "extract", "bench"):
+        assert defaults[f"{stage}.gpu_memory_utilization"] == 0.9, stage
+        assert defaults[f"{stage}.kv_cache_memory_bytes"] is None, stage
+        assert defaults[f"{stage}.reserved_cpus"] is None, stage
+    assert defaults["bench.dtype"] is None  # the target's own dtype
+    assert defaults["corpus.regenerate.max_model_len"] is None  # tokenize.max_length
+
+
+def test_the_template_sets_no_value_the_schema_defaults():
+    assert yaml.safe_load(BASE_CONFIG.read_text()) == {}
+
+
+def test_the_template_alone_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"target\.path, corpus\.sources.*config/demo\.yaml"):
+        load_config()
+
+
+def test_a_user_config_gets_the_schema_defaults(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "target: {path: /models/m}\ncorpus: {sources: [{name: c, path: /data/c.jsonl}]}\n"
+    )
+    config = load_config(mine)
+    assert config["extract"]["gpu_memory_utilization"] == 0.9
+    assert config["extract"]["kv_cache_memory_bytes"] is None
+    assert config["bench"]["datasets"][0]["name"] == "mtbench"
+    assert config["bench"]["datasets"][0]["limit"] is None  # the items' defaults filled too
+    assert config["engine"] == {"device": "gpu", "tensor_parallel_size": 1}
 
 
 def test_an_unknown_key_is_named():
@@ -111,19 +234,53 @@ def test_an_unknown_key_is_named():
         from_section(ExtractSettings, {"verify": {"fractoin": 0.5}}, "extract")
 
 
-def test_overlays_merge_as_snakemake_merges_configfiles(tmp_path):
+def test_files_merge_as_snakemake_merges_configfiles(tmp_path):
     """Nested sections merge key by key; a list or a value is replaced whole."""
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text(
         "corpus:\n  max_conversations: 7\n  regenerate:\n    max_tokens: 5\n"
         "bench:\n  num_speculative_tokens: [4]\n"
     )
-    base = load_config()
-    from draftflow.config import REPO as PACKAGE_REPO
-
-    merged = load_config(PACKAGE_REPO / "config" / "config.yaml", overlay)
+    base = load_config(DEMO_CONFIG)
+    merged = load_config(DEMO_CONFIG, overlay)
     assert merged["corpus"]["max_conversations"] == 7
     assert merged["corpus"]["regenerate"]["max_tokens"] == 5
     assert merged["corpus"]["regenerate"]["enabled"] == base["corpus"]["regenerate"]["enabled"]
     assert merged["corpus"]["sources"] == base["corpus"]["sources"]
     assert merged["bench"]["num_speculative_tokens"] == [4]
+
+
+def test_load_config_equals_snakemakes_own_config(tmp_path):
+    """The merged config of load_config is the one Snakemake's jobs see (same files, same
+    order): the workflow's own ``config`` after a dry run, in a copy of the workflow."""
+    from workflow_support import copy_workflow, snakemake_command
+
+    workdir = copy_workflow(tmp_path / "workflow")
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("corpus:\n  regenerate:\n    max_tokens: 5\nbench:\n  repeats: 2\n")
+    seen = tmp_path / "config.json"
+    (workdir / "dump.smk").write_text(
+        'include: "Snakefile"\n\n'
+        "import json\n\n"
+        f'with open("{seen}", "w") as out:\n'
+        "    json.dump(config, out)\n"
+    )
+    subprocess.run(
+        [
+            *snakemake_command(),
+            "-n",
+            "--snakefile",
+            "dump.smk",
+            "--configfile",
+            str(DEMO_CONFIG),
+            str(overlay),
+            "--cores",
+            "1",
+            "-q",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=workdir,
+    )
+    expected = load_config(DEMO_CONFIG, overlay, base=workdir / "config" / "config.yaml")
+    assert json.loads(seen.read_text()) == json.loads(json.dumps(expected))

@@ -45,7 +45,7 @@ def test_draftflow_recipe_resolves_in_speculators(side):
     training settings."""
     from speculators.train.config import TrainConfig
 
-    config = side.workdir_config(REPO, ("config/config.yaml", "config/examples/smollm2-gpu.yaml"))
+    config = side.workdir_config(REPO, ("config/examples/smollm2-gpu.yaml",))
     flags = side.train_arguments("draftflow", config)
     resolved = TrainConfig.resolve(["--verifier-name-or-path", "t", "--data-path", "d", *flags])
     train = config["train"]
@@ -128,6 +128,7 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
 
     from draftflow.capture.layers import capture_layers
     from draftflow.engine import engine_env
+    from draftflow.engine_settings import engine_settings
 
     stages = side.Stages(tiny_pipeline, tmp_path / "side", 8997, 1, TINY_CONFIG)
     assert stages.ks == [int(k) for k in stages.config["bench"]["num_speculative_tokens"]]
@@ -143,7 +144,7 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
             {"role": "assistant", "content": long_answer},
         ]
         handle.write(json.dumps({"id": "long", "conversations": messages}) + "\n")
-    extract = stages.config["extract"]
+    extract = engine_settings(stages.config, "extract")
     command = side.server_command(
         stages.target,
         tmp_path / "hs",
@@ -152,12 +153,12 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
         {
             # Above the long conversation; the target's whole 8,192 would not fit the tiny KV cache.
             "max_model_len": 8 * seq_length,
-            "gpu_memory_utilization": extract["gpu_memory_utilization"],
-            "kv_cache_memory_bytes": extract["kv_cache_memory_bytes"],
+            "gpu_memory_utilization": extract.gpu_memory_utilization,
+            "kv_cache_memory_bytes": extract.kv_cache_memory_bytes,
         },
     )
     data = tmp_path / "side" / "data"
-    env = engine_env(reserved_cpus=extract["reserved_cpus"])  # as the data stage starts it
+    env = engine_env(reserved_cpus=extract.reserved_cpus)  # as the data stage starts it
     with side.vllm_server(command, 8997, tmp_path / "server.log", env) as url:
         side.speculators_cli(
             "prepare-data",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from capture_stores import StoreShape, open_writer
+from config_support import demo_bench_settings, demo_config, train_settings
 from safetensors.torch import load_file
 
 from draftflow.config import from_section
@@ -164,7 +165,10 @@ def tiny_store(smollm2_dir, tmp_path_factory):
 
 
 def _job(store, out: Path, **settings) -> TrainJob:
+    # The demo's train settings (config/demo.yaml) but for these.
     base = {
+        "epochs": 1,
+        "optimizer": "adamw",
         "tokens_per_batch": 128,
         "lr": 1e-3,
         "warmup_steps": 10,
@@ -182,7 +186,7 @@ def _job(store, out: Path, **settings) -> TrainJob:
         draft_dir=str(out / "draft"),
         metrics_path=str(out / "metrics.jsonl"),
         checkpoint_dir=str(out / "checkpoints"),
-        settings=TrainSettings(**base),
+        settings=train_settings(**base),
     )
 
 
@@ -393,14 +397,19 @@ def test_trained_draft_is_accepted_in_vllm(trained, tiny_store, tmp_path):
     from draftflow.bench.run import engine_request, run_engines
 
     prompt_set = [{"id": f"p{i}", "turns": [text]} for i, text in enumerate(TRAIN_PROMPTS[:8])]
-    engine = {"max_model_len": 1024, "max_num_seqs": 8, "kv_cache_memory_bytes": 128 << 20}
+    engine = {
+        "max_model_len": 1024,
+        "max_num_seqs": 8,
+        "kv_cache_memory_bytes": 128 << 20,
+        "dtype": "bfloat16",
+        "reserved_cpus": 1,
+    }
     request = engine_request(
         tiny_store["target"],
         trained["job"].draft_dir,
         [3],
         {"train": prompt_set},
-        max_tokens=48,
-        engine=engine,
+        demo_bench_settings(max_tokens=48, tie_margin=0.0, engine=engine),
     )
     (run,) = run_engines(request, {3: tmp_path / "trained.json"})[3]["runs"]
     assert run["num_drafts"] > 0
@@ -446,7 +455,7 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
     for split in ("train", "val"):
         for shard in tiny_store[split]:
             shutil.copytree(shard, work / "results" / "extract" / split / Path(shard).name)
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config = demo_config()
     config["vocab"]["draft_vocab_size"] = DRAFT_VOCAB
     config["train"].update(
         max_steps=8, tokens_per_batch=128, eval_every=4, checkpoint_every=4, threads=THREADS
@@ -502,7 +511,7 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
 )
 def test_bad_train_settings_are_named(section, message):
     with pytest.raises(ValueError, match=message):
-        from_section(TrainSettings, section, "train")
+        from_section(TrainSettings, {**demo_config()["train"], **section}, "train")
 
 
 def test_packed_attention_trains_as_dense_attention(tiny_store, tmp_path):

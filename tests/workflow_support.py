@@ -110,20 +110,20 @@ def write_tiny_prompts(corpus: Path, path: Path, count: int = 4) -> None:
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``update`` merged in, section by section (lists are replaced)."""
+    """``base`` with ``update`` merged in as Snakemake merges config files (lists replaced)."""
+    from draftflow.config import merge_config
+
     merged = copy.deepcopy(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
+    merge_config(merged, copy.deepcopy(update))
     return merged
 
 
 def tiny_config() -> dict[str, Any]:
-    """The demo config with tests/configs/tiny.yaml merged over it."""
-    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    return merge(base, yaml.safe_load(TINY_CONFIG.read_text()))
+    """The demo (config/demo.yaml) with tests/configs/tiny.yaml merged over it, as Snakemake
+    merges --configfile files over the schema's defaults (draftflow.config.load_config)."""
+    from draftflow.config import DEMO_CONFIG, load_config
+
+    return load_config(DEMO_CONFIG, TINY_CONFIG)
 
 
 def write_config(workdir: Path, config: dict[str, Any]) -> None:

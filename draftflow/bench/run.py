@@ -20,13 +20,13 @@ from draftflow.bench.engine import engine_kwargs
 from draftflow.bench.margins import find_differences
 from draftflow.bench.rounds import engine_processes, run_rounds
 from draftflow.bench.schedule import (
-    AUTO,
     IN_TURN,
     SIDE_BY_SIDE,
     TOGETHER,
     engine_schedule,
     engine_starts,
 )
+from draftflow.bench.settings import BenchSettings
 from draftflow.engine import engine_env
 from draftflow.io import atomic_write_json
 
@@ -64,7 +64,7 @@ def measure_differences(
         return processes[0].margins(differences)
 
 
-def engine_environment(request: dict[str, Any], reserved_cpus: int | None) -> dict[str, str]:
+def engine_environment(request: dict[str, Any]) -> dict[str, str]:
     """The environment every engine process of ``request`` starts with."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
@@ -72,8 +72,28 @@ def engine_environment(request: dict[str, Any], reserved_cpus: int | None) -> di
     # engine, so runs compare (and the worker's core isn't oversubscribed); spawn on GPUs.
     first = next(iter(request["engines"].values()))
     tensor_parallel_size = int(first.get("tensor_parallel_size", 1))
-    env.update(engine_env(reserved_cpus=reserved_cpus, tensor_parallel_size=tensor_parallel_size))
+    env.update(
+        engine_env(
+            reserved_cpus=request["reserved_cpus"], tensor_parallel_size=tensor_parallel_size
+        )
+    )
     return env
+
+
+def engine_arguments(settings: BenchSettings) -> dict[str, Any]:
+    """``draftflow.bench.engine.engine_kwargs``'s settings, the same for every k."""
+    engine = settings.engine
+    return {
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": engine.max_num_seqs,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "kv_cache_memory_bytes": engine.kv_cache_memory_bytes,
+        "dtype": engine.dtype,
+        "seed": settings.seed,
+        "trust_remote_code": settings.trust_remote_code,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "extra": dict(engine.engine_args),
+    }
 
 
 def engine_request(
@@ -81,82 +101,42 @@ def engine_request(
     draft: str | None,
     ks: list[int],
     prompt_sets: dict[str, list[dict[str, Any]]],
-    *,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    max_tokens: int = 128,
-    seed: int = 0,
-    repeats: int = 1,
-    warmup_tokens: int = 16,
-    engine: dict[str, Any] | None = None,
-    schedule: str = AUTO,
-    starts: str = IN_TURN,
-    tie_margin: float = 0.0,
+    settings: BenchSettings,
 ) -> dict[str, Any]:
     """The request ``draftflow.bench.engine`` runs: one engine per k in ``ks``, identical but
-    for the draft, alive at once or one at a time (``schedule``, resolved here)."""
+    for the draft, alive at once or one at a time (``settings.schedule``, resolved here)."""
     if len(set(ks)) != len(ks) or not ks:
         raise ValueError(f"engine configurations must be distinct and at least one, got {ks}")
-    engine = dict(engine or {})
+    engine = engine_arguments(settings)
     return {
         "schedule": engine_schedule(
-            schedule,
+            settings.schedule,
             len(ks),
-            engine.get("gpu_memory_utilization"),
-            engine.get("kv_cache_memory_bytes"),
+            engine["gpu_memory_utilization"],
+            engine["kv_cache_memory_bytes"],
         ),
-        "starts": engine_starts(starts, engine.get("kv_cache_memory_bytes")),
+        "starts": engine_starts(settings.starts, engine["kv_cache_memory_bytes"]),
         "engines": {
             str(k): engine_kwargs(target, draft if k else None, k, **engine) for k in sorted(ks)
         },
         "sampling": {
-            "temperature": temperature,
-            "top_p": top_p,
-            "max_tokens": max_tokens,
-            "seed": seed,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "max_tokens": settings.max_tokens,
+            "seed": settings.seed,
         },
         "prompt_sets": prompt_sets,
-        "repeats": repeats,
+        "repeats": settings.repeats,
         # Greedy differences within this many logits are near-ties (0: not measured).
-        "tie_margin": tie_margin,
-        "warmup_tokens": warmup_tokens,
-    }
-
-
-def request_settings(
-    bench: dict[str, Any],
-    *,
-    dtype: str,
-    trust_remote_code: bool = False,
-    tensor_parallel_size: int = 1,
-) -> dict[str, Any]:
-    """``engine_request``'s keyword arguments from the config's validated ``bench:`` section."""
-    return {
-        "temperature": bench["temperature"],
-        "top_p": bench["top_p"],
-        "max_tokens": bench["max_tokens"],
-        "seed": bench["seed"],
-        "repeats": bench["repeats"],
-        "warmup_tokens": bench["warmup_tokens"],
-        "schedule": bench["schedule"],
-        "starts": bench["starts"],
-        "tie_margin": bench["tie_margin"],
-        "engine": {
-            "max_model_len": bench["max_model_len"],
-            "max_num_seqs": bench["max_num_seqs"],
-            "gpu_memory_utilization": bench["gpu_memory_utilization"],
-            "kv_cache_memory_bytes": bench["kv_cache_memory_bytes"],
-            "dtype": dtype,
-            "seed": bench["seed"],
-            "trust_remote_code": trust_remote_code,
-            "tensor_parallel_size": tensor_parallel_size,
-            "extra": bench["engine_args"],
-        },
+        "tie_margin": settings.tie_margin,
+        "warmup_tokens": settings.warmup_tokens,
+        # CPU build: scheduler cores of every engine (VLLM_CPU_NUM_OF_RESERVED_CPU).
+        "reserved_cpus": settings.engine.reserved_cpus,
     }
 
 
 def run_engines(
-    request: dict[str, Any], out_jsons: dict[int, str | Path], reserved_cpus: int | None = 1
+    request: dict[str, Any], out_jsons: dict[int, str | Path]
 ) -> dict[int, dict[str, Any]]:
     """Run every configuration of ``request``, side by side or one at a time as its
     ``schedule`` says (``draftflow.bench.rounds``); write each one's result (with its ``k``)
@@ -173,7 +153,7 @@ def run_engines(
     schedule = request.get("schedule", SIDE_BY_SIDE)
     groups = [ks] if schedule == SIDE_BY_SIDE else [[k] for k in ks]
     log.info("bench schedule: %s (%s)", schedule, " | ".join(map(str, groups)))
-    env = engine_environment(request, reserved_cpus)
+    env = engine_environment(request)
     runs: dict[int, list[dict[str, Any]]] = {}
     for group in groups:
         with (

@@ -58,12 +58,12 @@ def engine_schedule(
 def bench_schedule(bench: dict[str, Any]) -> str:
     """The schedule of the config's validated ``bench:`` section (the plain target counts);
     its ``starts`` checked too, so that a config that cannot run stops at start."""
-    engine_starts(bench.get("starts", IN_TURN), bench.get("kv_cache_memory_bytes"))
+    engine_starts(bench["starts"], bench["kv_cache_memory_bytes"])
     return engine_schedule(
-        bench.get("schedule", AUTO),
+        bench["schedule"],
         1 + len(bench["num_speculative_tokens"]),
-        bench.get("gpu_memory_utilization"),
-        bench.get("kv_cache_memory_bytes"),
+        bench["gpu_memory_utilization"],
+        bench["kv_cache_memory_bytes"],
     )
 
 

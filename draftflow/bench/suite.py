@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from draftflow.bench.run import engine_request, run_engines
+from draftflow.bench.settings import BenchSettings
 from draftflow.bench.tables import write_dataset_results
 
 
@@ -18,23 +19,21 @@ def run_benchmark(
     draft: str,
     ks: list[int],
     out_dir: str | Path,
-    reserved_cpus: int | None = 1,
-    **request: Any,
+    settings: BenchSettings,
 ) -> dict[str, pd.DataFrame]:
     """The plain target and each k over every prompt set, side by side:
     ``out_dir/engines/k{k}.json``, then ``out_dir/{dataset}.csv``,
     ``out_dir/{dataset}/outputs.jsonl`` and ``out_dir/{dataset}/units.csv`` per prompt set.
 
-    ``request`` takes ``engine_request``'s keyword arguments (sampling, repeats, engine).
+    ``settings``: the config's bench settings (``draftflow.bench.settings.bench_settings``).
     """
     if sorted(set(ks)) != sorted(ks) or any(k < 1 for k in ks):
         raise ValueError(f"num_speculative_tokens must be distinct integers >= 1, got {ks}")
     out_dir = Path(out_dir)
     configurations = [0, *ks]
     results = run_engines(
-        engine_request(target, draft, configurations, prompt_sets, **request),
+        engine_request(target, draft, configurations, prompt_sets, settings),
         {k: out_dir / "engines" / f"k{k}.json" for k in configurations},
-        reserved_cpus,
     )
     return {
         dataset: write_dataset_results(

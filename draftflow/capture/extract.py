@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +30,6 @@ from draftflow.capture.backends import (
 )
 from draftflow.capture.layers import capture_layers
 from draftflow.capture.plan import check_free_space, plan_store
-from draftflow.capture.quant import BF16
 from draftflow.capture.store import CaptureWriter, update_manifest
 from draftflow.capture.verify import CaptureVerificationError, verify_shard
 from draftflow.data.samples import read_samples
@@ -41,45 +40,45 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class VerifySettings:
-    fraction: float = 0.02
-    min_mean_cosine: float = 0.995
-    min_p01_cosine: float = 0.95
+    fraction: float
+    min_mean_cosine: float
+    min_p01_cosine: float
     # Reference compute dtype of the hf recomputation.
-    dtype: str = "float32"
+    dtype: str
     # Check only the captured layers up to this id, with the target cut to its first layers
     # (None = all layers, the whole target loaded).
-    max_layer: int | None = None
+    max_layer: int | None
 
 
 @dataclass(frozen=True)
 class ExtractSettings:
     """The ``extract:`` section of the config (num_shards excepted)."""
 
-    backend: str = "auto"
-    aux_layers: list[int] | None = None
+    backend: str
+    aux_layers: list[int] | None
     # From the engine: section: "gpu" or "cpu", and GPUs per engine (the target sharded over them).
-    engine_device: str = "cpu"
-    tensor_parallel_size: int = 1
+    engine_device: str
+    tensor_parallel_size: int
     # CPU threads of the job (the rule's threads:)
-    threads: int = 2
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 64
-    gpu_memory_utilization: float = 0.1
-    kv_cache_memory_bytes: int | None = None
+    threads: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
     # CPU build: cores vLLM keeps for its scheduler (None = vLLM's choice).
-    reserved_cpus: int | None = None
-    model_runner: str = "default"
-    engine_args: dict = field(default_factory=dict)
+    reserved_cpus: int | None
+    model_runner: str
+    engine_args: dict
     # Same shard, same bytes (docs/capture.md, "Determinism").
-    deterministic: bool = False
-    chunk_samples: int = 64
-    store_dtype: str = BF16
+    deterministic: bool
+    chunk_samples: int
+    store_dtype: str
     # Free space kept beyond what the store will write (docs/capture.md, "Disk plan").
-    disk_margin_mb: int = 1024
-    hf_dtype: str = "bfloat16"
+    disk_margin_mb: int
+    hf_dtype: str
     # from the target: section
-    trust_remote_code: bool = False
-    verify: VerifySettings = field(default_factory=VerifySettings)
+    trust_remote_code: bool
+    verify: VerifySettings
 
     @property
     def device(self) -> str:

@@ -84,7 +84,7 @@ class IngestError(RuntimeError):
 class Source:
     name: str
     path: str
-    format: str = "auto"
+    format: str
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -133,11 +133,13 @@ def ingest(
     rejects: str | os.PathLike[str],
     summary: str | os.PathLike[str],
     *,
-    max_conversations: int | None = None,
-    seed: int = 0,
-    on_bad_record: str = "skip",
+    max_conversations: int | None,
+    seed: int,
+    on_bad_record: str,
 ) -> dict[str, Any]:
-    """Run the ingest stage; write output, rejects and summary; return the summary."""
+    """Run the ingest stage; write output, rejects and summary; return the summary.
+
+    ``sources``: the config's ``corpus.sources`` entries; the rest its ``corpus:`` keys."""
     if on_bad_record not in ON_BAD_RECORD:
         raise ValueError(
             f"on_bad_record {on_bad_record!r} is not one of {', '.join(ON_BAD_RECORD)}"

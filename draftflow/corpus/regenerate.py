@@ -81,21 +81,21 @@ TOOL_STATS = ("tool_calls", "unparsed_tool_calls", "tool_calls_diverged", "reaso
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 512
-    max_turns: int | None = None
-    batch_size: int = 64
-    seed: int = 0
+    temperature: float
+    top_p: float
+    max_tokens: int
+    max_turns: int | None
+    batch_size: int
+    seed: int
     # the chat template's reasoning switch (Qwen3's enable_thinking); None: not passed
-    enable_thinking: bool | None = None
+    enable_thinking: bool | None
     # tool-call syntax of the target's answers; auto: from its chat template
-    tool_call_parser: str = "auto"
+    tool_call_parser: str
     # the engine's (make_engine)
-    max_model_len: int = 2048
-    gpu_memory_utilization: float = 0.1
-    kv_cache_memory_bytes: int | None = None
-    reserved_cpus: int | None = None
+    max_model_len: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    reserved_cpus: int | None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

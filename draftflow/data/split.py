@@ -21,9 +21,9 @@ class SplitSettings:
     """The ``split:`` section: which split each conversation falls into (tokenize counts the
     train split's tokens with it, the split stage writes the splits)."""
 
-    seed: int = 0
-    val_fraction: float = 0.05
-    test_fraction: float = 0.0
+    seed: int
+    val_fraction: float
+    test_fraction: float
 
     def __post_init__(self) -> None:
         _check_fractions(self.val_fraction, self.test_fraction)

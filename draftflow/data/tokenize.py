@@ -7,7 +7,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +29,13 @@ TEMPLATE_ERRORS_LISTED = 50
 
 @dataclass(frozen=True)
 class TokenizeSettings:
-    max_length: int = 2048
-    long_samples: str = "truncate"
-    max_turns: int | None = None
+    max_length: int
+    long_samples: str
+    max_turns: int | None
     # token_freq counts the train split's tokens only
-    split: SplitSettings = field(default_factory=SplitSettings)
+    split: SplitSettings
     # the template's reasoning switch the answers were generated with (None: not passed)
-    enable_thinking: bool | None = None
+    enable_thinking: bool | None
 
     def template_kwargs(self) -> dict[str, bool]:
         return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}

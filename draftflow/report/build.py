@@ -20,7 +20,6 @@ from draftflow.bench.schedule import ONE_AT_A_TIME, SIDE_BY_SIDE
 from draftflow.io import atomic_path, atomic_write_text
 from draftflow.report import plots
 from draftflow.report.summary import (
-    DEFAULT_BOOTSTRAP,
     WITH_INTERVALS,
     Bootstrap,
     best_k,
@@ -139,7 +138,7 @@ def render_markdown(
     target: str,
     draft: str,
     sizes: dict[str, dict[str, int]],
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    bootstrap: Bootstrap,
     schedule: str = SIDE_BY_SIDE,
 ) -> str:
     lines = ["# draftflow summary", "", f"- Target: {target}", f"- Draft: {draft}"]
@@ -257,8 +256,8 @@ def build_report(
     draft_dir: str | Path,
     extract_dirs: Iterable[str | Path],
     out: ReportPaths,
+    bootstrap: Bootstrap,
     unit_csvs: Iterable[str | Path] | None = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
     schedule: str = SIDE_BY_SIDE,
 ) -> pd.DataFrame:
     """Write every report output; return the summary table. ``unit_csvs`` (the bench units

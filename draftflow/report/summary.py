@@ -62,12 +62,9 @@ SUMMARY_COLUMNS = [
 class Bootstrap:
     """How the intervals are drawn (config: bench.bootstrap_samples, confidence, seed)."""
 
-    samples: int = 2000
-    confidence: float = 0.95
-    seed: int = 0
-
-
-DEFAULT_BOOTSTRAP = Bootstrap()
+    samples: int
+    confidence: float
+    seed: int
 
 
 def read_bench_tables(paths: Iterable[str | Path]) -> pd.DataFrame:
@@ -101,7 +98,7 @@ def step_cost(baseline_tokens_per_s: float, tokens_per_s: float, acceptance_leng
 
 
 def unit_intervals(
-    units: pd.DataFrame, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP
+    units: pd.DataFrame, bootstrap: Bootstrap
 ) -> dict[tuple[str, int], dict[str, Interval]]:
     """Per (dataset, k): every figure with its interval, from the bench units tables."""
     out = {}
@@ -121,9 +118,12 @@ def unit_intervals(
 
 
 def summarise(
-    bench: pd.DataFrame, units: pd.DataFrame | None = None, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP
+    bench: pd.DataFrame, units: pd.DataFrame | None = None, bootstrap: Bootstrap | None = None
 ) -> pd.DataFrame:
-    """One row per (dataset, temperature, k); k = 0 is the plain target."""
+    """One row per (dataset, temperature, k); k = 0 is the plain target. ``units`` (the bench
+    units tables) give every figure its interval, drawn as ``bootstrap`` (the config's) says."""
+    if units is not None and bootstrap is None:
+        raise ValueError("intervals from bench units need the config's bootstrap settings")
     measured = unit_intervals(units, bootstrap) if units is not None else {}
     rows = []
     for (dataset, temperature, k), group in bench.groupby(["dataset", "temperature", "k"]):

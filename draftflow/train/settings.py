@@ -18,32 +18,32 @@ _BOOKKEEPING = frozenset({"eval_every", "checkpoint_every", "keep_checkpoints", 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    num_layers: int = 1
-    ttt_steps: int = 3
-    ttt_step_loss_decay: float = 1.0
+    num_layers: int
+    ttt_steps: int
+    ttt_step_loss_decay: float
     # A speculators loss name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON weight dict.
-    loss: str = "kl_div"
-    loss_implementation: str = "auto"
-    epochs: int = 1
-    max_steps: int | None = None
-    tokens_per_batch: int = 4096
-    optimizer: str = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    scheduler: str = "cosine"
-    warmup_steps: int = 20
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    device: str = "auto"
-    attn_impl: str = "auto"
+    loss: str
+    loss_implementation: str
+    epochs: int
+    max_steps: int | None
+    tokens_per_batch: int
+    optimizer: str
+    lr: float
+    weight_decay: float
+    scheduler: str
+    warmup_steps: int
+    grad_clip: float
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    log_every: int
+    seed: int
+    device: str
+    attn_impl: str
     # auto: bf16 autocast on GPUs, fp32 on the CPU; bf16 / fp32 force one everywhere
-    precision: str = "auto"
+    precision: str
     # CPU threads for torch (0: leave torch's default).
-    threads: int = 0
+    threads: int
 
     def __post_init__(self) -> None:
         choices = {

@@ -14,10 +14,14 @@ from draftflow.capture.backends import EngineSettings, make_backend
 from draftflow.capture.backends.native import native_refusal
 from draftflow.capture.extract import VerifySettings
 from draftflow.capture.layers import capture_layers
+from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.engine import EngineStartError, installed_vllm_version
 
 FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "llava", "gpt_oss"]
-THRESHOLDS = VerifySettings()
+# The demo's verification thresholds (config/demo.yaml, extract.verify).
+THRESHOLDS = from_section(
+    VerifySettings, load_config(DEMO_CONFIG)["extract"]["verify"], "extract.verify"
+)
 LENGTHS = [7, 300, 40, 130, 64]
 # Families that vLLM releases below a version cannot start on GPUs, and the words the job's
 # error must then carry (vLLM 0.24.0 on an H200: GPT-OSS's loader refused bf16 experts).

@@ -1,5 +1,5 @@
 """The tiny workflow (tests/configs/tiny.yaml) on a GPU through Snakemake: regenerate, extract
-(hooks, ``use_gpu: true``), train and bench (speculative decoding, lossless check) all run
+(hooks, ``engine.device: gpu``), train and bench (speculative decoding, lossless check) all run
 their engines and steps on the GPU, as a user's ``snakemake --resources gpu=1`` would.
 
 Set ``DRAFTFLOW_GPU_KEEP=DIR`` to keep the finished workdir (its draft feeds perf/gpu_spec_decode.py).
@@ -19,7 +19,8 @@ def test_tiny_workflow_on_the_gpu(tmp_path, smollm2_dir):
     workdir = prepare_tiny_workdir(tmp_path / "workflow", smollm2_dir)
     config = read_config(workdir)
     config["corpus"]["regenerate"].update(enabled=True, max_tokens=64)
-    config["extract"].update(use_gpu=True, gpu_memory_utilization=0.2)
+    config["engine"]["device"] = "gpu"
+    config["extract"]["gpu_memory_utilization"] = 0.2
     config["extract"].pop("kv_cache_memory_bytes", None)
     config["resources"]["train_gpus"] = 1
     # The three bench engines (k = 0, 1, 2) are alive at once: 0.2 of the GPU each, sized by

@@ -1,0 +1,83 @@
+"""Settings built the way the workflow builds them: from the CPU demo's merged config
+(config/demo.yaml over config/schema.yaml's defaults, draftflow.config.load_config), with a
+test's own changes. The settings classes have no defaults, so a test names what it changes."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+from draftflow.bench.settings import BenchSettings, bench_settings
+from draftflow.capture.extract import ExtractSettings, VerifySettings
+from draftflow.config import DEMO_CONFIG, from_section, load_config
+from draftflow.corpus.regenerate import RegenerateSettings
+from draftflow.data.split import SplitSettings
+from draftflow.data.tokenize import TokenizeSettings
+from draftflow.train.settings import TrainSettings
+
+
+@functools.cache
+def _demo_config() -> dict[str, Any]:
+    return load_config(DEMO_CONFIG)
+
+
+def demo_config() -> dict[str, Any]:
+    """The demo's merged, validated config (a copy a test may change)."""
+    return copy.deepcopy(_demo_config())
+
+
+def extract_section(config: dict[str, Any]) -> dict[str, Any]:
+    """What rules/common.smk's extract_settings() hands an extract job."""
+    return {
+        **{key: value for key, value in config["extract"].items() if key != "num_shards"},
+        "engine_device": config["engine"]["device"],
+        "tensor_parallel_size": config["engine"]["tensor_parallel_size"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+    }
+
+
+def extract_settings(**changes: Any) -> ExtractSettings:
+    """The demo's extract settings; ``verify`` takes a mapping of VerifySettings changes."""
+    settings = from_section(ExtractSettings, extract_section(_demo_config()), "extract")
+    if "verify" in changes and not isinstance(changes["verify"], VerifySettings):
+        changes["verify"] = dataclasses.replace(settings.verify, **changes["verify"])
+    return dataclasses.replace(settings, **changes)
+
+
+def verify_settings(**changes: Any) -> VerifySettings:
+    return from_section(
+        VerifySettings, {**_demo_config()["extract"]["verify"], **changes}, "extract.verify"
+    )
+
+
+def train_settings(**changes: Any) -> TrainSettings:
+    return from_section(TrainSettings, {**_demo_config()["train"], **changes}, "train")
+
+
+def split_settings(**changes: Any) -> SplitSettings:
+    return from_section(SplitSettings, {**_demo_config()["split"], **changes}, "split")
+
+
+def tokenize_settings(**changes: Any) -> TokenizeSettings:
+    """The demo's tokenize settings, with its split and the regenerate reasoning switch."""
+    config = _demo_config()
+    given = {
+        "split": split_settings(),
+        "enable_thinking": config["corpus"]["regenerate"]["enable_thinking"],
+    }
+    return from_section(TokenizeSettings, {**config["tokenize"], **given, **changes}, "tokenize")
+
+
+def regenerate_settings(**changes: Any) -> RegenerateSettings:
+    section = {k: v for k, v in _demo_config()["corpus"]["regenerate"].items() if k != "enabled"}
+    return from_section(RegenerateSettings, {**section, **changes}, "corpus.regenerate")
+
+
+def demo_bench_settings(engine: dict[str, Any] | None = None, **changes: Any) -> BenchSettings:
+    """The demo's bench settings; ``engine``: changes to its EngineSettings."""
+    settings = bench_settings(_demo_config())
+    return dataclasses.replace(
+        settings, engine=dataclasses.replace(settings.engine, **(engine or {})), **changes
+    )

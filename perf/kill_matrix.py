@@ -12,7 +12,8 @@ nature), or lost (the rerun failed or its outputs differ beyond the tolerance).
     python perf/kill_matrix.py --workdir DIR_OF_A_FINISHED_RUN --stages extract train
 
 ``--tiny TARGET`` builds the test suite's tiny workflow (tests/configs/tiny.yaml, with
-regeneration on) in ``--workdir`` and runs it once as the reference.
+regeneration on and a train checkpoint every 10 steps) in ``--workdir`` and runs it once as the
+reference.
 """
 
 from __future__ import annotations
@@ -262,6 +263,9 @@ def prepare_tiny(workdir: Path, target: Path) -> None:
         "max_tokens": 48,
         "kv_cache_memory_bytes": 33554432,
     }
+    # Checkpoints before the last step, so that a kill lands after one and the resumed job must
+    # rebuild metrics.jsonl from the history beside them (tiny.yaml checkpoints only at the end).
+    config["train"]["checkpoint_every"] = 10
     write_config(workdir, config)
 
 

@@ -59,7 +59,7 @@ def test_starting_together_needs_each_engines_kv_cache_in_bytes():
         engine_starts(TOGETHER, None)
     with pytest.raises(ValueError, match="must be one of"):
         engine_starts("at_once", 64 << 20)
-    bench = load_config(REPO / "config/config.yaml")["bench"]
+    bench = load_config(REPO / "config/demo.yaml")["bench"]
     assert bench["starts"] == IN_TURN  # the 2-core demo: starts don't compete for its cores
     with pytest.raises(ValueError, match=r"needs bench\.kv_cache_memory_bytes"):
         bench_schedule({**bench, "starts": TOGETHER, "kv_cache_memory_bytes": None})
@@ -68,7 +68,7 @@ def test_starting_together_needs_each_engines_kv_cache_in_bytes():
 @pytest.mark.parametrize(
     ("config", "expected"),
     [
-        ("config/config.yaml", SIDE_BY_SIDE),
+        ("config/demo.yaml", SIDE_BY_SIDE),
         ("config/examples/smollm2-gpu.yaml", SIDE_BY_SIDE),
         ("config/examples/llama3.1-8b-8gpu.yaml", SIDE_BY_SIDE),
         # Six copies of a 1T target cannot share one node.
@@ -76,6 +76,7 @@ def test_starting_together_needs_each_engines_kv_cache_in_bytes():
     ],
 )
 def test_shipped_configs_schedule(config, expected):
+    """Each merged as Snakemake merges it: over the schema's defaults, not the demo."""
     assert bench_schedule(load_config(REPO / config)["bench"]) == expected
 
 

@@ -486,6 +486,20 @@ def test_vocab_and_train_rules_through_snakemake(tiny_store, tmp_path):
     assert (work / "results" / "train" / "checkpoints" / "latest.json").is_file()
     assert "train done" in (work / "logs" / "train.log").read_text()
 
+    # --forcerun train (Snakemake deletes the outputs, the checkpoints stay): the job trains
+    # from scratch, not from the finished run's last checkpoint, and ends where it did.
+    forced = subprocess.run(
+        [*command[:-2], "--forcerun", "train", *command[-2:]],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "previous run of this job finished" in (work / "logs" / "train.log").read_text()
+    again = read_metrics(work / "results" / "train" / "metrics.jsonl")
+    assert _untimed(again) == _untimed(records)
+
     # A capture chunk changed after its extract job finished: training from scratch refuses it
     # and names the file (the chunk's sha256 no longer matches its shard's manifest).
     chunk = work / "results" / "extract" / "train" / "shard-00000" / "chunk-00000.safetensors"

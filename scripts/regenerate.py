@@ -21,16 +21,12 @@ if __name__ == "__main__":  # vLLM starts its engine worker with spawn
     max_model_len = engine.max_model_len
     conversations = read_conversations(snakemake.input.conversations)
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op
+        # engine.tensor_parallel_size: on GPUs the job's leased GPUs.
         llm = make_engine(
             model_dir,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=engine.gpu_memory_utilization,
-            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
-            reserved_cpus=engine.reserved_cpus,
-            trust_remote_code=snakemake.params.trust_remote_code,
+            engine,
             seed=settings.seed,
-            # engine.tensor_parallel_size: on GPUs the job's leased GPUs.
-            tensor_parallel_size=engine.tensor_parallel_size,
+            trust_remote_code=snakemake.params.trust_remote_code,
         )
         regenerate(
             conversations,

@@ -3,7 +3,7 @@
 Does training on the GPU (bf16 autocast, flex attention, padded batches) reach
 the val accuracy of the CPU (fp32, SDPA)? Both runs use the train rule's code path
 (``draftflow.train.cli.launch`` with a ``TrainJob`` built as ``scripts/train.py`` builds it from
-config/config.yaml's ``train:`` section); only ``device`` and ``threads`` differ, plus an
+config/demo.yaml's ``train:`` section); only ``device`` and ``threads`` differ, plus an
 optional ``--epochs`` override used by both runs alike.
 
 ``pack`` copies a small subset, so what the GPU node needs fits in one small transfer:

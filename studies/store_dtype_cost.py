@@ -1,7 +1,8 @@
 """What the fp8 capture store costs: bf16 and fp8 stores of the same shards, drafts trained on each.
 
 Run in a workdir whose stages up to the shards and the vocabulary have run (``results/shard``,
-``results/vocab``, ``resources/target``), with its ``config/config.yaml``. Each phase is one
+``results/vocab``, ``resources/target``) by ``make demo``: its config is config/demo.yaml over
+the workdir's config/config.yaml, as that run merged them. Each phase is one
 command and writes one JSON under ``--out``; ``report`` gathers them into one file:
 
 - ``extract``: one hooks engine captures every shard into a bf16 and an fp8 store, in turns
@@ -51,8 +52,8 @@ MASSIVE_FACTOR = 10.0
 def load_config() -> dict:
     from draftflow import config
 
-    # The workdir's own config/config.yaml: the merged config its Snakemake run saw.
-    return config.load_config(base=Path("config/config.yaml"))
+    # As the workdir's make demo merged it: config/demo.yaml over its own config/config.yaml.
+    return config.load_config(Path("config/demo.yaml"), base=Path("config/config.yaml"))
 
 
 def shard_inputs() -> dict[str, Path]:

@@ -15,6 +15,7 @@ from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.corpus.regenerate import RegenerateSettings
 from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings
+from draftflow.engine_settings import EngineSettings, engine_settings
 from draftflow.train.settings import TrainSettings
 
 
@@ -81,3 +82,8 @@ def demo_bench_settings(engine: dict[str, Any] | None = None, **changes: Any) ->
     return dataclasses.replace(
         settings, engine=dataclasses.replace(settings.engine, **(engine or {})), **changes
     )
+
+
+def demo_engine_settings(stage: str, **changes: Any) -> EngineSettings:
+    """The demo's engine of ``stage`` (regenerate, extract, bench) with ``changes``."""
+    return dataclasses.replace(engine_settings(_demo_config(), stage), **changes)

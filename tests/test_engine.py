@@ -25,16 +25,16 @@ def broken_target(tmp_path_factory, smollm2_dir: Path) -> Path:
 
 @pytest.mark.vllm
 def test_failed_start_names_the_engines_own_error(broken_target: Path):
+    from config_support import demo_engine_settings
+
     from draftflow.corpus.regenerate import make_engine
     from draftflow.engine import EngineStartError
 
+    engine = demo_engine_settings(
+        "regenerate", max_model_len=64, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 24
+    )
     with pytest.raises(EngineStartError) as raised:
-        make_engine(
-            broken_target,
-            max_model_len=64,
-            gpu_memory_utilization=0.1,
-            kv_cache_memory_bytes=1 << 24,
-        )
+        make_engine(broken_target, engine, seed=0, trust_remote_code=False)
     message = str(raised.value)
     print(message)
     assert str(broken_target) in message

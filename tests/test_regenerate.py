@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from config_support import regenerate_settings
+from config_support import demo_engine_settings, regenerate_settings
 
 from draftflow.corpus.regenerate import (
     PROGRESS_FORMAT,
@@ -71,20 +71,28 @@ def test_make_engine_shards_the_target_over_the_jobs_gpus(monkeypatch, tmp_path:
             monkeypatch.delenv(key)
     seen: list[dict] = []
     monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.append(kwargs))
-    make_engine(tmp_path, max_model_len=64, gpu_memory_utilization=0.1)
-    make_engine(tmp_path, max_model_len=64, gpu_memory_utilization=0.1, tensor_parallel_size=2)
+    for tensor_parallel_size in (1, 2):
+        engine = demo_engine_settings(
+            "regenerate",
+            max_model_len=64,
+            reserved_cpus=None,  # the environment restored above is vLLM's default's
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        make_engine(tmp_path, engine, seed=0, trust_remote_code=False)
     assert "tensor_parallel_size" not in seen[0]
     assert seen[1]["tensor_parallel_size"] == 2
 
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: Path):
-    engine = make_engine(
-        smollm2_dir,
+    settings = demo_engine_settings(
+        "regenerate",
         max_model_len=MAX_MODEL_LEN,
         gpu_memory_utilization=0.05,
         kv_cache_memory_bytes=64 << 20,  # ~2800 tokens of SmolLM2 KV cache: plenty here
+        reserved_cpus=None,
     )
+    engine = make_engine(smollm2_dir, settings, seed=0, trust_remote_code=False)
     yield engine
     # Stop the engine process now, while pytest's log capture is still open.
     engine.llm_engine.engine_core.shutdown()

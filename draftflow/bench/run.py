@@ -20,7 +20,6 @@ from draftflow.bench.engine import engine_kwargs
 from draftflow.bench.margins import find_differences
 from draftflow.bench.rounds import engine_processes, run_rounds
 from draftflow.bench.schedule import (
-    IN_TURN,
     SIDE_BY_SIDE,
     TOGETHER,
     engine_schedule,
@@ -149,8 +148,8 @@ def run_engines(
     workdir.mkdir(parents=True, exist_ok=True)
     shared = {key: request[key] for key in ("sampling", "prompt_sets", "warmup_tokens")}
     engines = {int(k): kwargs for k, kwargs in request["engines"].items()}
-    max_num_seqs = int(engines[ks[0]].get("max_num_seqs", 1))
-    schedule = request.get("schedule", SIDE_BY_SIDE)
+    max_num_seqs = int(engines[ks[0]]["max_num_seqs"])
+    schedule = request["schedule"]
     groups = [ks] if schedule == SIDE_BY_SIDE else [[k] for k in ks]
     log.info("bench schedule: %s (%s)", schedule, " | ".join(map(str, groups)))
     env = engine_environment(request)
@@ -162,7 +161,7 @@ def run_engines(
                 {k: {**shared, "engine": engines[k]} for k in group},
                 Path(tmp),
                 env,
-                together=request.get("starts", IN_TURN) == TOGETHER,
+                together=request["starts"] == TOGETHER,
             ) as processes,
         ):
             runs.update(
@@ -177,7 +176,7 @@ def run_engines(
             "schedule": schedule,
             "runs": runs[k],
             "k": k,
-            "tie_margin": request.get("tie_margin", 0.0),
+            "tie_margin": request["tie_margin"],
             "margins": margins,
         }
         paths[k].parent.mkdir(parents=True, exist_ok=True)

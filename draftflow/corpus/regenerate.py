@@ -54,6 +54,7 @@ from draftflow.corpus.toolcalls import (
     split_reasoning,
     template_message,
 )
+from draftflow.engine_settings import EngineSettings
 from draftflow.io import atomic_path, atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -110,34 +111,34 @@ class RegenerateSettings:
 # ------------------------------------------------------------------ engine
 def make_engine(
     model_dir: str | os.PathLike[str],
+    engine: EngineSettings,
     *,
-    max_model_len: int,
-    gpu_memory_utilization: float,
-    trust_remote_code: bool = False,
-    seed: int = 0,
-    kv_cache_memory_bytes: int | None = None,
-    reserved_cpus: int | None = None,
-    tensor_parallel_size: int = 1,
+    seed: int,
+    trust_remote_code: bool,
 ) -> Any:
     """A vLLM engine for generation. Call it under ``if __name__ == "__main__":`` (spawn).
 
-    Built by ``draftflow.engine``: ``kv_cache_memory_bytes`` (exact, tests use it to stay small)
-    wins over ``gpu_memory_utilization``; ``reserved_cpus``: cores the CPU build keeps for its
-    scheduler; ``tensor_parallel_size``: GPUs the engine shards the target over (the job's
-    leased GPUs).
+    ``engine``: the regenerate stage's (``engine_settings(config, "regenerate")``), built by
+    ``draftflow.engine``: ``kv_cache_memory_bytes`` (exact) wins over
+    ``gpu_memory_utilization``; ``reserved_cpus``: cores the CPU build keeps for its scheduler;
+    ``tensor_parallel_size``: GPUs the engine shards the target over (the job's leased GPUs).
+    The prepared checkpoint's dtype is ``engine.dtype`` already.
     """
     from draftflow.engine import engine_env, engine_kwargs, start_engine
 
     kwargs = engine_kwargs(
         model_dir,
-        max_model_len=max_model_len,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
-        gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size,
+        max_model_len=engine.max_model_len,
+        kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        tensor_parallel_size=engine.tensor_parallel_size,
         seed=seed,
         trust_remote_code=trust_remote_code,
+        extra=engine.engine_args,
     )
-    env = engine_env(reserved_cpus=reserved_cpus, tensor_parallel_size=tensor_parallel_size)
+    env = engine_env(
+        reserved_cpus=engine.reserved_cpus, tensor_parallel_size=engine.tensor_parallel_size
+    )
     return start_engine(kwargs, env)
 
 

@@ -1,4 +1,4 @@
-"""Training settings (the ``train:`` section of config/config.yaml), checked once at start."""
+"""Training settings (the config's ``train:`` section), checked once at start."""
 
 from __future__ import annotations
 

@@ -124,13 +124,22 @@ def test_native_matches_hf(smollm2_dir, layers, hf_reference):
 
 def test_regenerate_engine_starts_after_cuda_was_used(smollm2_dir, hf_reference):
     """The fork crash: a driver with a CUDA context (hf_reference) starting a generation engine."""
+    from config_support import demo_engine_settings
     from vllm import SamplingParams
 
     from draftflow.corpus.regenerate import make_engine
     from draftflow.engine import shutdown_engine
 
     assert torch.cuda.is_initialized()
-    llm = make_engine(smollm2_dir, max_model_len=256, gpu_memory_utilization=0.2)
+    engine = demo_engine_settings(
+        "regenerate",
+        device="gpu",
+        max_model_len=256,
+        gpu_memory_utilization=0.2,
+        kv_cache_memory_bytes=None,
+        reserved_cpus=None,
+    )
+    llm = make_engine(smollm2_dir, engine, seed=0, trust_remote_code=False)
     try:
         (output,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
         assert len(output.outputs[0].token_ids) == 8

@@ -210,6 +210,12 @@ def tokenize_corpus(
             "calls (give target.chat_template a template that does)",
             counts["skipped_tool_calls_not_rendered"],
         )
+    if counts["skipped_answer_cut_at_think_tag"]:
+        log.warning(
+            "%d conversations skipped: the target's chat template cuts an answer at the "
+            "</think> it quotes, so its beginning would be lost",
+            counts["skipped_answer_cut_at_think_tag"],
+        )
     if counts["samples"] == 0:
         raise ValueError(
             f"{corpus_path}: no conversation produced a sample with assistant tokens "

@@ -12,6 +12,7 @@ ATTN_IMPLS = ("auto", "packed_sdpa", "sdpa", "eager", "simple_flex_attention")
 LOSS_IMPLS = ("auto", "eager", "fused")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
+ORDERS = ("global", "by_shard")
 # Settings that change what is logged or kept, never the trained weights.
 _BOOKKEEPING = frozenset({"eval_every", "checkpoint_every", "keep_checkpoints", "log_every"})
 
@@ -44,6 +45,9 @@ class TrainSettings:
     precision: str
     # CPU threads for torch (0: leave torch's default).
     threads: int
+    # global: all shards shuffled together each epoch; by_shard: one shard after another
+    # (the streamed mode's order, draftflow/train/captures.py)
+    order: str
 
     def __post_init__(self) -> None:
         choices = {
@@ -53,6 +57,7 @@ class TrainSettings:
             "loss_implementation": LOSS_IMPLS,
             "device": DEVICES,
             "precision": PRECISIONS,
+            "order": ORDERS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -121,9 +121,10 @@ def draft_kv_bytes_per_token(shape: TargetShape, num_layers: int, kv_dtype: str,
 
 
 def _stage_kwargs(config: Mapping[str, Any], stage: str, settings: EngineSettings, k: int) -> dict:
+    """The ``vllm.LLM`` arguments the stage's job passes, built as the job builds them."""
     trust = bool(config["target"]["trust_remote_code"])
-    tp = settings.tensor_parallel_size
     if stage == "regenerate":
+        # draftflow.corpus.regenerate.make_engine's arguments.
         from draftflow.engine import engine_kwargs
 
         return engine_kwargs(
@@ -131,44 +132,26 @@ def _stage_kwargs(config: Mapping[str, Any], stage: str, settings: EngineSetting
             max_model_len=settings.max_model_len,
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             gpu_memory_utilization=settings.gpu_memory_utilization,
-            tensor_parallel_size=tp,
+            tensor_parallel_size=settings.tensor_parallel_size,
             seed=int(config["corpus"]["regenerate"]["seed"]),
             trust_remote_code=trust,
+            extra=settings.engine_args,
         )
     if stage == "extract":
-        from draftflow.capture.backends import EngineSettings as CaptureEngine
+        # scripts/extract.py's settings; the engine's context: the longest sample plus one.
         from draftflow.capture.backends import capture_engine_kwargs
+        from draftflow.capture.extract import ExtractSettings
+        from draftflow.config import extract_section, from_section
 
-        return capture_engine_kwargs(
-            MODEL_DIR,
-            CaptureEngine(
-                # The capture engine's context: the longest sample plus one (extract.py).
-                max_model_len=settings.max_model_len + 1,
-                tp_size=tp,
-                max_num_batched_tokens=int(settings.max_num_batched_tokens or 0),
-                max_num_seqs=int(settings.max_num_seqs or 0),
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-                reserved_cpus=settings.reserved_cpus,
-                trust_remote_code=trust,
-                engine_args=dict(settings.engine_args),
-            ),
-        )
+        extract = from_section(ExtractSettings, extract_section(config), "extract")
+        return capture_engine_kwargs(MODEL_DIR, extract.engine(settings.max_model_len + 1))
+    # draftflow.bench.run.engine_request's engines.
     from draftflow.bench.engine import engine_kwargs as bench_kwargs
+    from draftflow.bench.run import engine_arguments
+    from draftflow.bench.settings import bench_settings
 
     return bench_kwargs(
-        MODEL_DIR,
-        DRAFT_DIR if k else None,
-        k,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=int(settings.max_num_seqs or 1),
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-        dtype=settings.dtype,
-        seed=int(config["bench"]["seed"]),
-        trust_remote_code=trust,
-        tensor_parallel_size=tp,
-        extra=dict(settings.engine_args),
+        MODEL_DIR, DRAFT_DIR if k else None, k, **engine_arguments(bench_settings(config))
     )
 
 
@@ -410,6 +393,14 @@ def format_engine_plan(plan: EnginePlan, shape: TargetShape) -> str:
         if len(engine.jobs) > 1:
             lines.append(f"  jobs: {engine.jobs[0]} .. {engine.jobs[-1]}")
         lines.append(f"  vllm.LLM({_kwargs_text(engine.kwargs)})")
+        if shape.multimodal and not {"language_model_only", "limit_mm_per_prompt"} & set(
+            engine.kwargs
+        ):
+            # draftflow.engine.text_only_kwargs reads the prepared checkpoint when it starts.
+            lines.append(
+                "  + text only: language_model_only=True, or limit_mm_per_prompt={'image': 0} "
+                "where the installed vLLM lacks it"
+            )
         one = engine.max_model_len * engine.kv_bytes_per_token
         if engine.kv_cache_bytes is None:
             kv = f"KV cache: {engine.gpu_memory_utilization} of RAM (size not known here)"

@@ -16,6 +16,14 @@ include: "rules/corpus.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
+
+
+# extract.mode streamed: temporary captures and a chain of training links (docs/storage.md).
+if streamed_mode():
+
+    include: "rules/stream.smk"
+
+
 include: "rules/bench.smk"
 include: "rules/report.smk"
 

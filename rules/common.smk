@@ -82,6 +82,17 @@ def extract_dirs(split):
     return [str(RESULTS / "extract" / split / name) for name in shard_names(split)]
 
 
+def streamed_mode():
+    """extract.mode streamed: train captures are temporary, training a chain of links
+    (rules/stream.smk); val is captured once, as in the stored mode."""
+    return config["extract"]["mode"] == "streamed"
+
+
+def stream_window():
+    """Train captures on disk at once (the disk plan's peak); None in the stored mode."""
+    return config["extract"]["window"] if streamed_mode() else None
+
+
 # ---------------------------------------------------------------- resources
 def mem_mb(stage):
     table = config["resources"]["mem_mb"]
@@ -199,7 +210,10 @@ def bench_bootstrap():
 
 
 def report_extract_dirs():
-    """Capture stores of the training data (their manifests give the data size)."""
+    """Capture stores of the training data (their manifests give the data size); in the
+    streamed mode the stream plan stands for the train stores (its manifest has their totals)."""
+    if streamed_mode():
+        return [str(RESULTS / "stream" / "train" / "plan")] + extract_dirs("val")
     return extract_dirs("train") + extract_dirs("val")
 
 

@@ -18,6 +18,7 @@ rule plan_extract:
     params:
         code=stage_code("plan_extract"),
         extract=extract_settings(),
+        window=stream_window(),
     script:
         "../scripts/plan_extract.py"
 

@@ -29,8 +29,10 @@ if __name__ == "__main__":
         capture_layers(target_dir(snakemake), settings.aux_layers),
         settings.store_dtype,
         settings.chunk_samples,
-        output.parents[2],  # results/extract/{split}/{shard}
+        output.parents[2],  # results/extract/{split}/{shard} or results/stream/link-{i}/capture
         settings.disk_margin_mb << 20,
+        # extract_stream (rules/stream.smk): the streamed mode's window.
+        window=snakemake.params.get("window"),
     )
     log.info("%s", format_plan(plan))
     with gpu_lease(snakemake.resources.gpu):  # 0 GPUs on CPU runs: a no-op

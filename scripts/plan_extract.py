@@ -19,6 +19,7 @@ plan = plan_extract(
     # results/extract/plan.json: the results directory is two levels up.
     Path(snakemake.output[0]).parents[1],
     settings.disk_margin_mb << 20,
+    window=snakemake.params.window,
 )
 atomic_write_json(snakemake.output[0], plan)
 log.info("%s", format_plan(plan))

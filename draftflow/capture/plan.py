@@ -6,6 +6,11 @@ store dtype (plus one float32 scale per layer in fp8 stores), an int32 token id 
 mask (``draftflow/capture/store.py``). Safetensors headers, ``index.json`` and ``manifest.json``
 grow with the samples and chunks; they are estimated from above (``overhead_bytes``).
 
+In the streamed mode (extract.mode: streamed, ``window`` set) the train stores are temporary
+and at most ``window`` of them are on disk at once: the plan's peak (``peak_bytes``, what
+``fits`` is judged on) is then the ``window`` largest train stores plus the val stores, instead
+of the whole store (``total_bytes``).
+
 ``python -m draftflow.capture.plan results/extract/plan.json`` prints a plan written by the
 ``plan_extract`` rule (``make plan``).
 """
@@ -81,8 +86,10 @@ def plan_extract(
     chunk_samples: int,
     results_dir: str | os.PathLike[str],
     margin_bytes: int,
+    window: int | None = None,
 ) -> dict:
-    """The plan of every extract job, from the shard stage's manifest."""
+    """The plan of every extract job, from the shard stage's manifest; ``window``: the
+    streamed mode's train captures on disk at once (None: the stored mode)."""
     plans = []
     results_dir = Path(results_dir)
     for split, entry in sorted(shard_manifest["splits"].items()):
@@ -92,8 +99,11 @@ def plan_extract(
             output = str(results_dir / "extract" / split / shard["name"])
             plans.append(ShardPlan(output, shard["path"], samples, tokens, tensor, overhead))
     total = sum(p.total_bytes for p in plans)
+    peak = total if window is None else window_peak(plans, window)
     free = free_bytes(results_dir)
     return {
+        "mode": "stored" if window is None else "streamed",
+        "window": window,
         "store_dtype": store_dtype,
         "layer_ids": layers.layer_ids,
         "hidden_size": layers.hidden_size,
@@ -103,11 +113,22 @@ def plan_extract(
         "num_tokens": sum(p.num_tokens for p in plans),
         "tensor_bytes": sum(p.tensor_bytes for p in plans),
         "total_bytes": total,
+        "peak_bytes": peak,
         "margin_bytes": margin_bytes,
         "results_dir": str(results_dir),
         "free_bytes": free,
-        "fits": free >= total + margin_bytes,
+        "fits": free >= peak + margin_bytes,
     }
+
+
+def window_peak(plans: list[ShardPlan], window: int) -> int:
+    """Bytes on disk at the streamed mode's peak: the ``window`` largest train stores (any
+    ``window`` links may be captured at once) plus every val store (captured once, kept)."""
+    train = sorted(
+        (p.total_bytes for p in plans if Path(p.output).parent.name == "train"), reverse=True
+    )
+    val = sum(p.total_bytes for p in plans if Path(p.output).parent.name != "train")
+    return sum(train[:window]) + val
 
 
 def _size(n: float) -> str:
@@ -130,6 +151,18 @@ def format_plan(plan: dict) -> str:
             f"{_size(shard['total_bytes'])} ({shard['tensor_bytes']} tensor bytes)"
         )
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    if plan.get("mode") == "streamed":
+        lines.append(
+            f"  whole store (not kept): {plan['num_tokens']} tokens, "
+            f"{_size(plan['total_bytes'])}; streamed, window {plan['window']}: at most "
+            f"{plan['window']} train stores at once"
+        )
+        lines.append(
+            f"  peak: {_size(plan['peak_bytes'])} ({plan['peak_bytes']} bytes) + margin "
+            f"{_size(plan['margin_bytes'])}; free under {plan['results_dir']}: "
+            f"{_size(plan['free_bytes'])}: {verdict}"
+        )
+        return "\n".join(lines)
     lines.append(
         f"  total: {plan['num_tokens']} tokens, {_size(plan['total_bytes'])} "
         f"({plan['tensor_bytes']} tensor bytes) + margin {_size(plan['margin_bytes'])}; "

@@ -5,18 +5,30 @@ from lengths alone, and a batch reads only its samples' rows through the shards'
 Each shard's sha256s are checked (``CaptureReader.verify``) the first time one of its samples is
 read. The plan is a pure function of (seed, epoch), so step n always sees the same batch: a
 resumed run just starts at its step.
+
+Two orders (train.order): ``global`` shuffles every sample of every shard together each epoch;
+``by_shard`` visits the shards in a seeded order (``draftflow.train.stream.shard_order``) and
+shuffles the samples within each, so the batches of one (epoch, shard) are a contiguous run of
+steps that reads that shard alone: the unit a link of the streamed mode trains. The plan needs
+only the samples' lengths (``ShardLengths``), so a link plans every step before the other
+shards are captured.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from draftflow.capture.quant import dequantize
 from draftflow.capture.store import SCALES_NAME, CaptureReader
+from draftflow.train.settings import ORDERS
+from draftflow.train.stream import shard_order
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +40,45 @@ class SampleRef:
     num_tokens: int
 
 
-class CaptureSet:
-    """All samples of a list of shard directories, with their layer layout checked."""
+def planned_samples(lengths: Sequence[Sequence[int]], shard_ids: Sequence[int]) -> list[SampleRef]:
+    """The trainable samples of shards of these lengths (a sample needs two tokens: the first
+    has no previous hidden state after the shift)."""
+    return [
+        SampleRef(shard, i, n)
+        for shard, shard_lengths in zip(shard_ids, lengths, strict=True)
+        for i, n in enumerate(shard_lengths)
+        if n >= 2
+    ]
 
-    def __init__(self, shard_dirs: list[str | os.PathLike[str]]) -> None:
+
+class ShardLengths:
+    """The samples of every train shard from their lengths alone (the stream plan's), for a
+    plan made before the shards are captured."""
+
+    def __init__(self, lengths: Sequence[Sequence[int]]) -> None:
+        self.lengths = [list(shard) for shard in lengths]
+        self.num_shards = len(self.lengths)
+        self.samples = planned_samples(self.lengths, range(self.num_shards))
+
+
+class CaptureSet:
+    """All samples of a list of shard directories, with their layer layout checked.
+
+    ``shard_ids``: the shards' numbers in the plan (default 0, 1, ...); a streamed link opens
+    only its own shard, whose samples keep their shard's number.
+    """
+
+    def __init__(
+        self,
+        shard_dirs: list[str | os.PathLike[str]],
+        shard_ids: Sequence[int] | None = None,
+    ) -> None:
         if not shard_dirs:
             raise ValueError("no capture shards given")
         self.readers = [CaptureReader(d, verify=False) for d in shard_dirs]
+        ids = list(range(len(shard_dirs))) if shard_ids is None else list(shard_ids)
+        self._by_id = dict(zip(ids, self.readers, strict=True))
+        self.num_shards = len(ids)
         self._verified: set[int] = set()
         first = self.readers[0].manifest
         for reader in self.readers[1:]:
@@ -56,13 +100,8 @@ class CaptureSet:
         # Positions of the aux layers and of the final pre-norm state in hidden_states' L axis.
         self.aux_positions = [self.layer_ids.index(i) for i in self.aux_layer_ids]
         self.final_position = len(self.layer_ids) - 1
-        # A sample needs two tokens: the first has no previous hidden state after the shift.
-        self.samples = [
-            SampleRef(s, i, n)
-            for s, reader in enumerate(self.readers)
-            for i, n in enumerate(reader.num_tokens)
-            if n >= 2
-        ]
+        self.lengths = [list(reader.num_tokens) for reader in self.readers]
+        self.samples = planned_samples(self.lengths, ids)
         if not self.samples:
             raise ValueError(f"shards {[str(d) for d in shard_dirs]} hold no sample of >= 2 tokens")
 
@@ -71,10 +110,11 @@ class CaptureSet:
         return self.readers[0].manifest
 
     def read(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        reader = self._by_id[ref.shard]
         if ref.shard not in self._verified:
-            self.readers[ref.shard].verify()
+            reader.verify()
             self._verified.add(ref.shard)
-        return self.readers[ref.shard].get(ref.index)
+        return reader.get(ref.index)
 
 
 def pack(samples: list[SampleRef], order: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -102,58 +142,124 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(num_samples, generator=generator).tolist()
 
 
+def within_shard_order(num_samples: int, seed: int, epoch: int, shard: int) -> list[int]:
+    """train.order by_shard: the order of one shard's samples in one epoch."""
+    key = hashlib.sha256(f"{seed}:{epoch}:{shard}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of steps: one epoch (order global) or one (epoch, shard) (by_shard)."""
+
+    epoch: int
+    shard: int | None
+    # Packed batches, as indices into the plan's samples.
+    batches: list[list[int]]
+    start: int
+    steps: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.steps
+
+
 class TrainPlan:
     """Which packed batches each step uses, over all epochs, for one data-parallel rank.
 
-    Every step consumes ``world_size`` batches (one per rank); an epoch's leftover batches
-    (fewer than ``world_size``) are skipped so ranks stay in lock step.
+    Every step consumes ``world_size`` batches (one per rank); a segment's leftover batches
+    (fewer than ``world_size``) are skipped so ranks stay in lock step. ``shards``: a
+    ``CaptureSet`` or ``ShardLengths`` (only the samples' lengths are read).
     """
 
     def __init__(
         self,
-        shards: CaptureSet,
+        shards: CaptureSet | ShardLengths,
         tokens_per_batch: int,
         epochs: int,
         seed: int,
         world_size: int = 1,
         max_steps: int | None = None,
+        order: str = "global",
     ) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"train.order {order!r} is not one of {ORDERS}")
         self.shards = shards
+        self.samples = shards.samples
+        self.num_shards = shards.num_shards
         self.tokens_per_batch = tokens_per_batch
         self.seed = seed
         self.world_size = world_size
-        self._epochs: list[list[list[int]]] = []
+        self.order = order
+        self._members: dict[int, list[int]] = {}
+        for index, ref in enumerate(self.samples):
+            self._members.setdefault(ref.shard, []).append(index)
+        self.segments: list[Segment] = []
+        self._ends: list[int] = []
+        self._epoch_starts: dict[int, int] = {}
         for epoch in range(epochs):
-            order = epoch_order(len(shards.samples), seed, epoch)
-            self._epochs.append(pack(shards.samples, order, tokens_per_batch))
-        self.steps_per_epoch = [len(b) // world_size for b in self._epochs]
-        if not any(self.steps_per_epoch):
+            self._plan_epoch(epoch)
+        if not any(segment.steps for segment in self.segments):
             raise ValueError(
-                f"{len(shards.samples)} train samples make fewer packed batches than the "
+                f"{len(self.samples)} train samples make fewer packed batches than the "
                 f"{world_size} data-parallel ranks"
             )
-        planned = sum(self.steps_per_epoch)
+        planned = self.segments[-1].end
         self.total_steps = planned if max_steps is None else max_steps
         # max_steps beyond the planned epochs keeps cycling through further epochs.
         extra = epochs
-        while sum(self.steps_per_epoch) < self.total_steps:
-            order = epoch_order(len(shards.samples), seed, extra)
-            self._epochs.append(pack(shards.samples, order, tokens_per_batch))
-            self.steps_per_epoch.append(len(self._epochs[-1]) // world_size)
+        while self.segments[-1].end < self.total_steps:
+            self._plan_epoch(extra)
             extra += 1
+
+    def _plan_epoch(self, epoch: int) -> None:
+        if self.order == "global":
+            order = epoch_order(len(self.samples), self.seed, epoch)
+            self._add_segment(epoch, None, pack(self.samples, order, self.tokens_per_batch))
+            return
+        for shard in shard_order(self.num_shards, self.seed, epoch):
+            members = self._members.get(shard, [])
+            order = within_shard_order(len(members), self.seed, epoch, shard)
+            batches = pack(self.samples, [members[i] for i in order], self.tokens_per_batch)
+            self._add_segment(epoch, shard, batches)
+
+    def _add_segment(self, epoch: int, shard: int | None, batches: list[list[int]]) -> None:
+        start = self.segments[-1].end if self.segments else 0
+        steps = len(batches) // self.world_size
+        self.segments.append(Segment(epoch, shard, batches, start, steps))
+        self._ends.append(start + steps)
+        self._epoch_starts.setdefault(epoch, start)
+
+    @property
+    def steps_per_epoch(self) -> list[int]:
+        counts: dict[int, int] = {}
+        for segment in self.segments:
+            counts[segment.epoch] = counts.get(segment.epoch, 0) + segment.steps
+        return [counts[epoch] for epoch in sorted(counts)]
+
+    def segment(self, step: int) -> Segment:
+        found = bisect.bisect_right(self._ends, step)
+        if step < 0 or found == len(self.segments):
+            raise IndexError(f"step beyond the plan of {self.total_steps} steps")
+        return self.segments[found]
+
+    def span(self, epoch: int, shard: int) -> tuple[int, int]:
+        """Steps [start, end) of one (epoch, shard) of a by_shard plan: one streamed link."""
+        for segment in self.segments:
+            if (segment.epoch, segment.shard) == (epoch, shard):
+                return segment.start, min(segment.end, self.total_steps)
+        raise KeyError(f"no segment of shard {shard} in epoch {epoch} (order {self.order})")
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, step within the epoch) of a global step."""
-        for epoch, count in enumerate(self.steps_per_epoch):
-            if step < count:
-                return epoch, step
-            step -= count
-        raise IndexError(f"step beyond the plan of {self.total_steps} steps")
+        epoch = self.segment(step).epoch
+        return epoch, step - self._epoch_starts[epoch]
 
     def batch(self, step: int, rank: int = 0) -> list[SampleRef]:
-        epoch, within = self.position(step)
-        indices = self._epochs[epoch][within * self.world_size + rank]
-        return [self.shards.samples[i] for i in indices]
+        segment = self.segment(step)
+        indices = segment.batches[(step - segment.start) * self.world_size + rank]
+        return [self.samples[i] for i in indices]
 
 
 def val_batches(

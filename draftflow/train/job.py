@@ -24,6 +24,12 @@ class TrainJob:
     checkpoint_dir: str
     settings: TrainSettings = field(default_factory=TrainSettings)
     trust_remote_code: bool = False
+    # Streamed mode (rules/stream.smk): this job is link ``link`` of the chain; ``train_shards``
+    # is that link's one capture and ``stream_plan`` the stream plan's directory (every train
+    # shard's sample lengths); ``marker_path`` the link's output.
+    link: int | None = None
+    stream_plan: str | None = None
+    marker_path: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "settings": self.settings.to_dict()}, indent=2)

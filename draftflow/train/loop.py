@@ -6,6 +6,10 @@ inputs (``job.py``), ranks and devices (``distributed.py``), optimizers and sche
 (``optim.py``), device batches (``batching.py``), metrics (``metrics.py``), checkpoints and
 resume (``checkpoint.py``), the exported draft (``export.py``). docs/training.md says why this is our own
 small loop rather than speculators' ``Trainer``.
+
+A job of the streamed mode's chain (``job.link`` set, ``links.py``) runs the same loop over the
+steps of its one (epoch, shard), from the previous link's checkpoint to its own, and exports
+nothing: the chain's last checkpoint is exported by the ``train`` job.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from draftflow.train.checkpoint import (
 from draftflow.train.distributed import Placement, autocast, init_placement, reduce_sum
 from draftflow.train.export import export_draft
 from draftflow.train.job import TrainJob
+from draftflow.train.links import finish_link, link_data, resume_link
 from draftflow.train.metrics import (
     MetricsLog,
     PendingSteps,
@@ -92,14 +97,22 @@ def evaluate(model, shards: CaptureSet, job: TrainJob, placement: Placement, cal
 
 # ------------------------------------------------------------------ the run
 def train(job: TrainJob) -> dict | None:
-    """Train (resuming from a matching checkpoint) and export; rank 0 returns the summary."""
+    """Train (resuming from a matching checkpoint) and export; rank 0 returns the summary
+    (a link of the streamed chain: its marker record)."""
     settings = job.settings
     placement = init_placement(settings.device)
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
 
-    train_shards = CaptureSet(job.train_shards)
+    link = link_data(job) if job.link is not None else None
+    if link is None:
+        train_shards = CaptureSet(job.train_shards)
+        planned = train_shards
+        data_identity = [shard_digest(d) for d in job.train_shards]
+    else:
+        # Planned from every shard's lengths; only this link's shard is on disk.
+        train_shards, planned, data_identity = link.captures, link.planned, link.digest
     val_shards = CaptureSet(job.val_shards)
     d2t, t2d = read_vocab(job.vocab_path)
     attn_impl = resolve_attn_impl(settings.attn_impl, placement.device)
@@ -125,26 +138,35 @@ def train(job: TrainJob) -> dict | None:
         "loss_config": resolve_loss_config(settings.loss, loss_implementation(settings)),
     }
     plan = TrainPlan(
-        train_shards,
+        planned,
         settings.tokens_per_batch,
         settings.epochs,
         settings.seed,
         placement.world_size,
         settings.max_steps,
+        settings.order,
     )
     identity = {
         "fingerprint": settings.fingerprint(),
         "world_size": placement.world_size,
-        "train_shards": [shard_digest(d) for d in job.train_shards],
+        "train_shards": data_identity,
     }
-    start = resume(job, model, optimizers, identity, placement)
-
-    metrics_log = MetricsLog(
-        job.metrics_path,
-        enabled=placement.is_main,
-        keep_before=start,
-        history=metrics_history(job.checkpoint_dir),
-    )
+    if link is None:
+        start = resume(job, model, optimizers, identity, placement)
+        end = plan.total_steps
+        metrics_log = MetricsLog(
+            job.metrics_path,
+            enabled=placement.is_main,
+            keep_before=start,
+            history=metrics_history(job.checkpoint_dir),
+        )
+    else:
+        first, end = plan.span(link.link.epoch, link.link.shard)
+        start = resume_link(job, model, optimizers, identity, placement, first, end)
+        # The links append to the history alone; the train job copies it out at the end.
+        metrics_log = MetricsLog(
+            metrics_history(job.checkpoint_dir), enabled=placement.is_main, keep_before=start
+        )
     if placement.world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             model,
@@ -154,8 +176,9 @@ def train(job: TrainJob) -> dict | None:
         )
     if placement.is_main:
         log.info(
-            "training %d steps from step %d on %s x%d (attention %s, loss %s/%s); "
+            "training to step %d of %d from step %d on %s x%d (attention %s, loss %s/%s); "
             "%d train samples in %d shard(s), %d val samples",
+            end,
             plan.total_steps,
             start,
             placement.device,
@@ -181,7 +204,6 @@ def train(job: TrainJob) -> dict | None:
     if start == 0:
         validate(0)
     model.train()
-    end = plan.total_steps
     progress = tqdm(
         range(start, end),
         desc="train",
@@ -211,8 +233,11 @@ def train(job: TrainJob) -> dict | None:
         metrics["tokens_sum"] = (batch["document_ids"] >= 0).sum().float()
         done = step + 1
         pending.add(done, plan.position(step)[0], settings.lr * factor, metrics, grad_norm)
-        evaluate_now = done % settings.eval_every == 0 or done == end
-        checkpoint_now = done % settings.checkpoint_every == 0 and done < end
+        # A link validates and checkpoints at the steps the whole run would (by global step),
+        # and checkpoints its own last step for the next link.
+        evaluate_now = done % settings.eval_every == 0 or done == plan.total_steps
+        checkpoint_now = done % settings.checkpoint_every == 0 and done < plan.total_steps
+        checkpoint_now = checkpoint_now or (link is not None and done == end)
         if not (done % flush_every == 0 or evaluate_now or checkpoint_now or done == end):
             continue
         records = pending.flush()
@@ -249,6 +274,13 @@ def train(job: TrainJob) -> dict | None:
     batches.close()
 
     summary = None
+    if link is not None:
+        if placement.is_main:
+            summary = finish_link(job, link, start, end, placement)
+        if placement.world_size > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+        return summary
     if placement.is_main:
         summary = {
             "steps": plan.total_steps,

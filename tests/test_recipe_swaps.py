@@ -43,7 +43,8 @@ def test_each_swap_trains_with_its_setting(swaps, tiny_pipeline, tmp_path):
     """Fewer steps stop there; a smaller draft vocabulary gives a draft with that many outputs;
     the baseline is the workdir's own training; a second call reads what the first trained."""
     out = tmp_path / "swaps"
-    argv = ["run", "--workdir", str(tiny_pipeline), "--out", str(out)]
+    # The tiny workflow's merged config is its own config/config.yaml: no --configfile on top.
+    argv = ["run", "--workdir", str(tiny_pipeline), "--out", str(out), "--configfiles"]
     argv += ["--swap", "train.max_steps=3", "--swap", "vocab.draft_vocab_size=64"]
     argv += ["--swap", "train.max_steps=2,vocab.draft_vocab_size=32"]
     swaps.main(argv)
@@ -71,7 +72,7 @@ def test_a_variant_is_benched_as_the_workdir_benches_its_draft(swaps, tiny_pipel
     with the workdir's prompts and settings, its τ in the summary beside the workdir's own."""
     out = tmp_path / "swaps"
     swaps.main(
-        ["run", "--workdir", str(tiny_pipeline), "--out", str(out),
+        ["run", "--workdir", str(tiny_pipeline), "--out", str(out), "--configfiles",
          "--swap", "train.max_steps=3", "--bench-ks", "1"]
     )  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())

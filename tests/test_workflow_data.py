@@ -11,19 +11,23 @@ from workflow_support import (
     TINY_CORPUS,
     copy_workflow,
     link_target,
-    read_config,
     run_snakemake,
     tiny_config,
     write_config,
     write_tiny_corpus,
 )
 
+from draftflow.config import load_config
+
 pytestmark = pytest.mark.workflow
+
+# The demo's run (make demo): its overlay over the schema's defaults.
+DEMO = ("--configfile", "config/demo.yaml")
 
 
 def test_dry_run_of_the_demo_dag_includes_the_data_stages(tmp_path):
     workdir = copy_workflow(tmp_path / "wf")
-    out = run_snakemake(workdir, "-n", "--quiet", "rules")
+    out = run_snakemake(workdir, *DEMO, "-n", "--quiet", "rules")
     jobs = set((out.stdout + out.stderr).split())
     # The demo regenerates answers with the target, so tokenize reads regenerate's output.
     assert {"ingest", "regenerate", "prepare_target", "tokenize", "split", "shard"} <= jobs
@@ -34,8 +38,8 @@ def test_dry_run_of_the_demo_bench_runs_every_engine_in_one_job(tmp_path):
     on both prompt sets, holding the whole machine on the CPU build so no other job runs while
     they are timed; two tables."""
     workdir = copy_workflow(tmp_path / "wf")
-    ks = read_config(workdir)["bench"]["num_speculative_tokens"]
-    out = run_snakemake(workdir, "-n", "-p", "--cores", "3").stdout
+    ks = load_config(workdir / "config" / "demo.yaml")["bench"]["num_speculative_tokens"]
+    out = run_snakemake(workdir, *DEMO, "-n", "-p", "--cores", "3").stdout
     (job,) = re.findall(r"rule bench_engines:\n(.*?)\n\n", out, re.S)
     outputs = re.search(r"output: (.*)", job).group(1).split(", ")
     assert len(ks) >= 2 and outputs == [f"results/bench/engines/k{k}.json" for k in [0, *ks]]

@@ -252,3 +252,12 @@ def test_quantization_ignore_lists():
     assert mxfp4.quantizes("model.layers.3.mlp.experts.0.gate_proj")
     with pytest.raises(ValueError, match="some_future_scheme"):
         read_quantization({"quantization_config": {"quant_method": "some_future_scheme"}})
+
+
+def test_streamed_mode_captures_the_train_shards_every_epoch(tmp_path):
+    config = merged(EXAMPLES["kimi-k2.5-8gpu"][0], tmp_path, {"extract": {"mode": "streamed"}})
+    plan = plan_engines(config, shape("kimi-k2.5"), H200)
+    train = next(e for e in plan.engines if e.name.startswith("extract train"))
+    shards, epochs = config["extract"]["num_shards"]["train"], config["train"]["epochs"]
+    assert len(train.jobs) == shards * epochs
+    assert train.jobs[-1] == f"extract_stream link-{shards * epochs - 1:05d}"

@@ -269,6 +269,18 @@ def engine_problems(
     return problems
 
 
+def extract_jobs(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The capture jobs per split: one per shard; with extract.mode streamed, the train shards
+    are captured again every epoch, one job per link of rules/stream.smk."""
+    shards = config["extract"]["num_shards"]
+    train = tuple(f"extract train/shard-{index:05d}" for index in range(int(shards["train"])))
+    if config["extract"].get("mode") == "streamed":
+        links = int(shards["train"]) * int(config["train"]["epochs"])
+        train = tuple(f"extract_stream link-{index:05d}" for index in range(links))
+    val = tuple(f"extract val/shard-{index:05d}" for index in range(int(shards["val"])))
+    return {"train": train, "val": val}
+
+
 def plan_engines(
     config: Mapping[str, Any],
     shape: TargetShape,
@@ -284,15 +296,13 @@ def plan_engines(
                 config, shape, "regenerate", "regenerate", ("regenerate",), device_memory_bytes
             )
         )
-    for split in ("train", "val"):
-        shards = int(config["extract"]["num_shards"][split])
-        jobs = tuple(f"extract {split}/shard-{index:05d}" for index in range(shards))
+    for split, jobs in extract_jobs(config).items():
         engines.append(
             plan_engine(
                 config,
                 shape,
                 "extract",
-                f"extract {split} ({shards} jobs)",
+                f"extract {split} ({len(jobs)} jobs)",
                 jobs,
                 device_memory_bytes,
             )

@@ -344,7 +344,7 @@ def test_failed_verification_names_layer_and_keeps_store(tmp_path, smollm2_dir, 
 def test_native_backend_matches_hf(smollm2_dir, layers, hf_reference):
     """vLLM's own extractor with the CPU-safe connector: same layer ids, same accuracy."""
     if VLLM_016:
-        with pytest.raises(RuntimeError, match=r"needs vLLM >= 0.17"):
+        with pytest.raises(RuntimeError, match=r"needs vLLM >= 0.22"):
             make_backend("native", smollm2_dir, layers.layer_ids, ENGINE)
         return
     prompts = make_prompts([7, 600, 33, 250, 120, 64], seed=4)

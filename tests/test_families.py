@@ -409,7 +409,7 @@ def test_native_refuses_mla_targets_where_vllm_s_extractor_fails(family_targets)
     assert native_refusal(deepseek, "0.32.0", cpu_build=False) == ""
     assert native_refusal(deepseek, "0.24.0", cpu_build=True) == ""
     assert native_refusal(qwen3, "0.24.0", cpu_build=False) == ""
-    assert "needs vLLM >= 0.17" in native_refusal(qwen3, "0.16.0", cpu_build=True)
+    assert "needs vLLM >= 0.22" in native_refusal(qwen3, "0.16.0", cpu_build=True)
 
 
 def test_a_class_vllm_cannot_inspect_names_the_missing_module(monkeypatch):

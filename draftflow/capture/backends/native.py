@@ -38,7 +38,9 @@ from draftflow.io import read_json
 
 log = logging.getLogger(__name__)
 
-NATIVE_MIN_VERSION = "0.17"
+# The extractor's connector module gains load_hidden_states / cleanup_hidden_states, which
+# capture() imports, in 0.22 (tools/vllm_contract.py reads them in every release's wheel).
+NATIVE_MIN_VERSION = "0.22"
 # The oldest vLLM seen capturing an MLA target (DeepSeek-V3, Kimi-K2.5) with its extractor: 0.32
 # (CPU build). On GPUs 0.24 fails at the first forward: its hidden-state cache takes the MLA
 # KV cache's layout (tests/gpu/test_gpu_families.py).

@@ -1,0 +1,128 @@
+"""Stored against streamed extract on the tiny workflow: capture and train seconds, peak disk.
+
+One upstream run (data, vocab, val capture) of the tiny workflow with two train shards and two
+epochs (tests/stream_support.py) is cloned into a stored copy (train.order by_shard) and one
+streamed copy per window; each runs up to the draft while the bytes under results/ and of the
+links' captures are sampled every 0.2 s. Capture and train seconds are the Snakemake benchmark
+files' wall seconds; the drafts' sha256 must agree.
+
+    python perf/streamed_vs_stored.py --target .test-cache/smollm2 --workdir /tmp/streamed \\
+        --out docs/results/streamed-vs-stored-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from stream_support import (  # noqa: E402
+    DRAFT,
+    UPSTREAM_TARGETS,
+    DiskSampler,
+    benchmark_seconds,
+    capture_bytes,
+    set_mode,
+    sha256,
+    stream_test_config,
+    tree_bytes,
+    untimed_metrics,
+)
+from workflow_support import (  # noqa: E402
+    clone_workdir,
+    prepare_tiny_workdir,
+    run_snakemake,
+    write_config,
+)
+
+
+def measured_run(workdir: Path, mode: str) -> dict:
+    results = workdir / "results"
+    sampler = DiskSampler(
+        {
+            "results_bytes": lambda: tree_bytes(results),
+            "train_capture_bytes": lambda: (
+                capture_bytes(results / "stream")
+                if mode == "streamed"
+                else tree_bytes(results / "extract" / "train")
+            ),
+        }
+    )
+    start = time.perf_counter()
+    with sampler.running():
+        run_snakemake(workdir, "--cores", "2", DRAFT, timeout=3600)
+    wall = time.perf_counter() - start
+    if mode == "streamed":
+        capture = benchmark_seconds(workdir, "benchmarks/stream/link-*/extract.tsv")
+        train = benchmark_seconds(workdir, "benchmarks/stream/link-*/train.tsv")
+        train += benchmark_seconds(workdir, "benchmarks/train.tsv")
+    else:
+        capture = benchmark_seconds(workdir, "benchmarks/extract/train/*.tsv")
+        train = benchmark_seconds(workdir, "benchmarks/train.tsv")
+    return {
+        "wall_seconds": round(wall, 2),
+        "train_capture_seconds": round(capture, 2),
+        "train_seconds": round(train, 2),
+        "peak_results_bytes": sampler.peak["results_bytes"],
+        "peak_train_capture_bytes": sampler.peak["train_capture_bytes"],
+        "final_results_bytes": tree_bytes(results),
+        "draft_sha256": sha256(workdir / DRAFT / "model.safetensors"),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, required=True, help="a prepared SmolLM2 target")
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--backend", default="hooks", help="extract.backend (hooks: vLLM)")
+    parser.add_argument("--windows", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    upstream = prepare_tiny_workdir(args.workdir / "upstream", args.target)
+    write_config(upstream, stream_test_config(backend=args.backend))
+    run_snakemake(upstream, "--cores", "2", *UPSTREAM_TARGETS, timeout=3600)
+
+    runs = {}
+    stored = clone_workdir(upstream, args.workdir / "stored")
+    runs["stored"] = measured_run(stored, "stored")
+    for window in args.windows:
+        streamed = clone_workdir(upstream, args.workdir / f"streamed-w{window}")
+        set_mode(streamed, "streamed", window=window)
+        runs[f"streamed_window_{window}"] = measured_run(streamed, "streamed")
+        runs[f"streamed_window_{window}"]["metrics_equal_stored"] = untimed_metrics(
+            streamed
+        ) == untimed_metrics(stored)
+    config = stream_test_config(backend=args.backend)
+    record = {
+        "machine": f"{platform.machine()} {platform.system()}, 2 cores, vLLM CPU build",
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "perf/streamed_vs_stored.py", *(argv or sys.argv[1:])]),
+        "workflow": (
+            "tests/configs/tiny.yaml over config/demo.yaml (SmolLM2-135M) with "
+            f"extract.num_shards.train {config['extract']['num_shards']['train']}, "
+            f"train.epochs {config['train']['epochs']}, train.order by_shard, "
+            f"extract.backend {args.backend}, extract.deterministic "
+            f"{config['extract']['deterministic']}"
+        ),
+        "largest_train_store_bytes": max(
+            tree_bytes(d) for d in (stored / "results" / "extract" / "train").iterdir()
+        ),
+        "runs": runs,
+        "same_draft": len({run["draft_sha256"] for run in runs.values()}) == 1,
+    }
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

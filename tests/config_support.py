@@ -11,7 +11,7 @@ from typing import Any
 
 from draftflow.bench.settings import BenchSettings, bench_settings
 from draftflow.capture.extract import ExtractSettings, VerifySettings
-from draftflow.config import DEMO_CONFIG, EXTRACT_DAG_KEYS, from_section, load_config
+from draftflow.config import DEMO_CONFIG, extract_section, from_section, load_config
 from draftflow.corpus.regenerate import RegenerateSettings
 from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings
@@ -27,16 +27,6 @@ def _demo_config() -> dict[str, Any]:
 def demo_config() -> dict[str, Any]:
     """The demo's merged, validated config (a copy a test may change)."""
     return copy.deepcopy(_demo_config())
-
-
-def extract_section(config: dict[str, Any]) -> dict[str, Any]:
-    """What rules/common.smk's extract_settings() hands an extract job."""
-    return {
-        **{key: value for key, value in config["extract"].items() if key not in EXTRACT_DAG_KEYS},
-        "engine_device": config["engine"]["device"],
-        "tensor_parallel_size": config["engine"]["tensor_parallel_size"],
-        "trust_remote_code": config["target"]["trust_remote_code"],
-    }
 
 
 def extract_settings(**changes: Any) -> ExtractSettings:

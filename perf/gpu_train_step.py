@@ -235,6 +235,7 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
         num_layers=1,
         ttt_steps=settings.ttt_steps,
         attn_impl="simple_flex_attention",
+        variant=settings.variant,
     ).to(device)
     # speculators' own builder (foreach AdamW), as its trainer calls it.
     options = {"optimizer": "adamw", "lr": settings.lr, "weight_decay": settings.weight_decay}

@@ -166,7 +166,12 @@ def test_first_difference_finds_turn_and_position():
 
 # ---------------------------------------------------------------- real engines
 def build_random_eagle3_draft(target_dir: Path, out: Path, draft_vocab_size: int = 8192) -> Path:
-    """A randomly initialised 1-layer EAGLE-3 draft in speculators format for ``target_dir``."""
+    """A randomly initialised 1-layer EAGLE 3.1 draft in speculators format for ``target_dir``.
+
+    EAGLE 3.1 (``fc_norm``: an RMSNorm per aux layer, train.variant eagle3.1) with norm weights
+    drawn away from 1, so the bench engines below prove vLLM loads and runs that variant (its
+    weight loader refuses a parameter it has no place for); the trained drafts of
+    tests/test_train.py prove the eagle3 default."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -194,7 +199,11 @@ def build_random_eagle3_draft(target_dir: Path, out: Path, draft_vocab_size: int
         ttt_steps=3,
         target_layer_ids=[2, 15, 27],  # vLLM's EAGLE-3 default (2, L//2, L-3) for 30 layers
         draft_attn_impl="sdpa",
+        fc_norm=True,
     )
+    with torch.no_grad():
+        for norm in model.fc_norm:
+            norm.weight.uniform_(0.5, 1.5)
     model.to(torch.bfloat16).save_pretrained(out)
     return out
 
@@ -244,7 +253,12 @@ def test_random_draft_is_in_speculators_format(random_draft_dir: Path):
     assert config["speculators_model_type"] == "eagle3"
     assert config["draft_vocab_size"] == 8192
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
-    assert (random_draft_dir / "model.safetensors").exists()
+    assert config["fc_norm"] is True and config["norm_before_fc"] is False
+    from safetensors import safe_open
+
+    with safe_open(str(random_draft_dir / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= names, sorted(names)
 
 
 @pytest.mark.vllm

@@ -549,6 +549,23 @@ def test_packed_attention_trains_as_dense_attention(tiny_store, tmp_path):
         assert a["full_acc"] == pytest.approx(b["full_acc"], abs=1e-6)
 
 
+def test_eagle3_1_trains_and_exports_one_norm_per_aux_layer(tiny_store, tmp_path):
+    """train.variant eagle3.1: speculators' fc_norm (one RMSNorm per aux layer, EAGLE 3.1)
+    instead of one over the concatenation; the norms learn and the export names them as
+    vLLM's Eagle3 Llama loads them (tests/test_bench.py runs such a draft in vLLM)."""
+    job = _job(tiny_store, tmp_path, variant="eagle3.1", max_steps=6, log_every=1, eval_every=6)
+    train(job)
+    config = json.loads((Path(job.draft_dir) / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_before_fc"] is False
+    weights = load_file(str(Path(job.draft_dir) / "model.safetensors"))
+    norms = [weights[f"fc_norm.{i}.weight"] for i in range(3)]
+    assert "norm_before_fc.weight" not in weights
+    assert all(not torch.equal(norm, torch.ones_like(norm)) for norm in norms)
+    records = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
 def test_sync_free_accuracy_counts_match_speculators():
     # draftflow.train.model._accuracy_counts replaces speculators' masked_select version (a GPU
     # wait per TTT step); it must give the same four counts and update prev_correct the same way.

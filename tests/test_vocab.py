@@ -86,7 +86,14 @@ def test_draft_lm_head_rows_are_the_targets_rows_for_the_draft_vocab(smollm2_dir
     freq = torch.randint(0, 1000, (embed.shape[0],), generator=generator, dtype=torch.int64)
     d2t, t2d = build_vocab_mapping(freq, 256)
     model = build_draft_model(
-        smollm2_dir, [2, 15, 27], d2t, t2d, num_layers=1, ttt_steps=3, attn_impl="sdpa"
+        smollm2_dir,
+        [2, 15, 27],
+        d2t,
+        t2d,
+        num_layers=1,
+        ttt_steps=3,
+        attn_impl="sdpa",
+        variant="eagle3",
     )
     rows = embed[draft_to_target_ids(d2t)]  # SmolLM2 ties lm_head to the embeddings
     assert torch.equal(model.lm_head.weight.to(rows.dtype), rows)

@@ -173,6 +173,7 @@ def export_chain(job: TrainJob, last_marker: str) -> dict:
         t2d,
         num_layers=settings.num_layers,
         ttt_steps=settings.ttt_steps,
+        variant=settings.variant,
         attn_impl=resolve_attn_impl(settings.attn_impl, torch.device("cpu")),
         trust_remote_code=job.trust_remote_code,
     )

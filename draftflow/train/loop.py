@@ -123,6 +123,7 @@ def train(job: TrainJob) -> dict | None:
         t2d,
         num_layers=settings.num_layers,
         ttt_steps=settings.ttt_steps,
+        variant=settings.variant,
         attn_impl=attn_impl,
         trust_remote_code=job.trust_remote_code,
     ).to(placement.device)

@@ -37,9 +37,18 @@ def build_draft_model(
     num_layers: int,
     ttt_steps: int,
     attn_impl: str,
+    variant: str,
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
-    """A fresh draft (decoder weights from the seeded RNG, the rest from the target)."""
+    """A fresh draft (decoder weights from the seeded RNG, the rest from the target).
+
+    ``variant`` eagle3 normalizes the concatenated aux states with one RMSNorm before the fc
+    projection (``norm_before_fc``); eagle3.1 gives every aux layer its own RMSNorm
+    (``fc_norm``, EAGLE 3.1). speculators keeps the two exclusive, and both export to a
+    config.json vLLM's Eagle3 Llama reads.
+    """
+    if variant not in ("eagle3", "eagle3.1"):
+        raise ValueError(f"draft variant {variant!r} is not one of ('eagle3', 'eagle3.1')")
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
@@ -62,7 +71,8 @@ def build_draft_model(
     )
     if attn_impl == PACKED_SDPA:
         register_packed_sdpa()
-    # speculators' eagle3 defaults (norm_before_residual, norm_before_fc, norm_output on).
+    # speculators' eagle3 defaults (norm_before_residual, norm_before_fc, norm_output on);
+    # EAGLE 3.1 swaps the one norm over the concatenation for one norm per aux layer.
     return Eagle3DraftModel.from_training_args(
         verifier_config=layer_config,
         t2d=t2d,
@@ -71,7 +81,8 @@ def build_draft_model(
         target_layer_ids=list(aux_layer_ids),
         draft_vocab_size=int(d2t.shape[0]),
         norm_before_residual=True,
-        norm_before_fc=True,
+        norm_before_fc=variant == "eagle3",
+        fc_norm=variant == "eagle3.1",
         norm_output=True,
         ttt_steps=ttt_steps,
         draft_attn_impl=attn_impl,

@@ -13,6 +13,7 @@ LOSS_IMPLS = ("auto", "eager", "fused")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "bf16", "fp32")
 ORDERS = ("global", "by_shard")
+VARIANTS = ("eagle3", "eagle3.1")
 # Settings that change what is logged or kept, never the trained weights.
 _BOOKKEEPING = frozenset({"eval_every", "checkpoint_every", "keep_checkpoints", "log_every"})
 
@@ -48,6 +49,8 @@ class TrainSettings:
     # global: all shards shuffled together each epoch; by_shard: one shard after another
     # (the streamed mode's order, draftflow/train/captures.py)
     order: str
+    # eagle3: one RMSNorm over the concatenated aux states; eagle3.1: one per aux layer
+    variant: str
 
     def __post_init__(self) -> None:
         choices = {
@@ -58,6 +61,7 @@ class TrainSettings:
             "device": DEVICES,
             "precision": PRECISIONS,
             "order": ORDERS,
+            "variant": VARIANTS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

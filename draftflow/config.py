@@ -105,7 +105,7 @@ def missing_run_keys(config: Mapping[str, Any]) -> list[str]:
 
 # Keys of extract: that shape the DAG (rules/common.smk, rules/stream.smk), not a capture job:
 # changing them reruns no stored capture.
-EXTRACT_DAG_KEYS = frozenset({"num_shards", "mode", "window"})
+EXTRACT_DAG_KEYS = frozenset({"num_shards", "mode", "window", "keep_first_epoch"})
 
 
 def extract_section(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -89,8 +89,11 @@ def streamed_mode():
 
 
 def stream_window():
-    """Train captures on disk at once (the disk plan's peak); None in the stored mode."""
-    return config["extract"]["window"] if streamed_mode() else None
+    """Train captures on disk at once (the disk plan's peak); None where every train capture
+    is kept (the stored mode, or extract.keep_first_epoch)."""
+    if streamed_mode() and not config["extract"]["keep_first_epoch"]:
+        return config["extract"]["window"]
+    return None
 
 
 # ---------------------------------------------------------------- resources

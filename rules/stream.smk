@@ -5,8 +5,9 @@
 # the capture of link i takes the marker of link i - window as an input, so the DAG itself keeps
 # at most extract.window train captures on disk. Val is captured once by rule extract. The
 # checkpoints and metrics history live in results/train/checkpoints/ (no rule's output, as in
-# the stored mode): a killed link resumes from them; rule train exports the last link's
-# checkpoint (docs/design.md, docs/storage.md).
+# the stored mode): a killed link resumes from them; rule train_export exports the last link's
+# checkpoint (docs/design.md, docs/storage.md). With extract.keep_first_epoch every link trains
+# on the stored capture of its shard (rule extract) instead: captured once, kept.
 from snakemake.logging import logger
 
 from draftflow.train.stream import link_chain, link_name, stream_settings
@@ -34,6 +35,15 @@ def stream_marker(index):
 def stream_shard(wildcards):
     """The shard file link i captures."""
     return shard_parquets("train")[stream_link(wildcards).shard]
+
+
+def link_capture(wildcards):
+    """The capture link i trains on: its own temporary one, or with extract.keep_first_epoch
+    the stored capture of its shard (rule extract), made once and kept for every epoch."""
+    link = stream_link(wildcards)
+    if config["extract"]["keep_first_epoch"]:
+        return extract_dirs("train")[link.shard]
+    return stream_capture(link.index)
 
 
 def stream_window_marker(wildcards):
@@ -93,7 +103,7 @@ rule extract_stream:
 
 rule train_link:
     input:
-        capture=str(STREAM_DIR / "link-{link}" / "capture"),
+        capture=link_capture,
         previous=stream_previous_marker,
         plan=rules.stream_plan.output[0],
         val=extract_dirs("val"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -164,6 +165,59 @@ def test_disk_plan_reports_the_windows_peak(tmp_path):
             "fits"
         ]
     )
+
+
+# ---------------------------------------------------------------- the DAG
+def _dry_run_jobs(workdir: Path) -> tuple[dict[tuple[str, str | None], list[str]], dict]:
+    """(rule, link or None) -> the job's inputs, and the job count per rule, from a dry run."""
+    result = run_snakemake(workdir, "--dry-run", "--cores", "2", DRAFT)
+    counts = {
+        rule: int(count)
+        for rule, count in re.findall(
+            r"^(\w+)\s+(\d+)$", result.stdout.split("Job stats:")[1], re.M
+        )
+    }
+    jobs = {}
+    for block in re.split(r"\n\s*\n", result.stdout):
+        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+        if rule is None:
+            continue
+        inputs = re.search(r"^\s+input: (.*)$", block, re.M)
+        link = re.search(r"wildcards: link=(\d+)", block)
+        key = (rule.group(1), link.group(1) if link else None)
+        jobs[key] = inputs.group(1).split(", ") if inputs else []
+    return jobs, counts
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize(("window", "keep_first_epoch"), [(1, False), (2, False), (2, True)])
+def test_the_dag_holds_the_window(tmp_path, smollm2_dir, window, keep_first_epoch):
+    """Capture of link i waits for the training of link i - window; training of link i for
+    link i - 1; with keep_first_epoch every link trains on its shard's stored capture."""
+    workdir = prepare_tiny_workdir(tmp_path / "workflow", smollm2_dir)
+    config = stream_test_config(mode="streamed", window=window, keep_first_epoch=keep_first_epoch)
+    write_config(workdir, config)
+    jobs, counts = _dry_run_jobs(workdir)
+    links = link_chain(2, 2, config["train"]["seed"])
+    marker = "results/stream/link-{:05d}/done.json".format
+    for link in links:
+        name = f"{link.index:05d}"
+        trains = jobs[("train_link", name)]
+        assert (marker(link.index - 1) in trains) == (link.index > 0)
+        if keep_first_epoch:
+            assert f"results/extract/train/shard-{link.shard:05d}" in trains
+            assert ("extract_stream", name) not in jobs
+            continue
+        assert f"results/stream/link-{name}/capture" in trains
+        captures = jobs[("extract_stream", name)]
+        assert f"results/shard/train/shard-{link.shard:05d}.parquet" in captures
+        waits = [path for path in captures if path.endswith("done.json")]
+        assert waits == ([marker(link.index - window)] if link.index >= window else [])
+    assert jobs[("train_export", None)][0] == marker(len(links) - 1)
+    # The val shard, and with keep_first_epoch each train shard once; no stored train job.
+    assert counts["extract"] == (3 if keep_first_epoch else 1)
+    assert counts.get("extract_stream", 0) == (0 if keep_first_epoch else len(links))
+    assert counts["train_link"] == len(links) and "train" not in counts
 
 
 # ---------------------------------------------------------------- the workflow

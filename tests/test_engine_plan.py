@@ -261,3 +261,11 @@ def test_streamed_mode_captures_the_train_shards_every_epoch(tmp_path):
     shards, epochs = config["extract"]["num_shards"]["train"], config["train"]["epochs"]
     assert len(train.jobs) == shards * epochs
     assert train.jobs[-1] == f"extract_stream link-{shards * epochs - 1:05d}"
+    kept = merged(
+        EXAMPLES["kimi-k2.5-8gpu"][0],
+        tmp_path,
+        {"extract": {"mode": "streamed", "keep_first_epoch": True}},
+    )
+    plan = plan_engines(kept, shape("kimi-k2.5"), H200)
+    train = next(e for e in plan.engines if e.name.startswith("extract train"))
+    assert len(train.jobs) == shards

@@ -270,11 +270,13 @@ def engine_problems(
 
 
 def extract_jobs(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
-    """The capture jobs per split: one per shard; with extract.mode streamed, the train shards
-    are captured again every epoch, one job per link of rules/stream.smk."""
+    """The capture jobs per split: one per shard; with extract.mode streamed (and not
+    extract.keep_first_epoch), the train shards are captured again every epoch, one job per
+    link of rules/stream.smk."""
     shards = config["extract"]["num_shards"]
     train = tuple(f"extract train/shard-{index:05d}" for index in range(int(shards["train"])))
-    if config["extract"].get("mode") == "streamed":
+    extract = config["extract"]
+    if extract.get("mode") == "streamed" and not extract.get("keep_first_epoch"):
         links = int(shards["train"]) * int(config["train"]["epochs"])
         train = tuple(f"extract_stream link-{index:05d}" for index in range(links))
     val = tuple(f"extract val/shard-{index:05d}" for index in range(int(shards["val"])))

@@ -247,7 +247,7 @@ def engine_problems(
             share = need / device_memory_bytes
             problems.append(
                 f"{where}: {section}.gpu_memory_utilization {engine.gpu_memory_utilization} of "
-                f"the device's {device} leaves {_size(max(0, engine.kv_cache_bytes))} for the KV "
+                f"the device's {device} leaves {_size(engine.kv_cache_bytes)} for the KV "
                 f"cache after {_size(engine.weight_bytes_per_device)} of weights and "
                 f"{_size(engine.overhead_bytes)} of overhead, less than one "
                 f"{CONTEXT_KEY[engine.stage]} {engine.max_model_len}-token sequence "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from draftflow.capture.backends import EngineSettings
 from draftflow.capture.verify import cosine_summary, token_cosines
@@ -41,3 +42,40 @@ def assert_cosines_at_least(
         assert values["mean"] >= min_mean, (layer, values)
         assert values["p01"] >= min_p01, (layer, values)
     return summary
+
+
+def async_scheduling(llm) -> bool:
+    return bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+
+
+# vLLM runs its extract_hidden_states method under Model Runner V2 from 0.32 (0.24 refuses it).
+NATIVE_UNDER_V2 = "0.32"
+
+
+def skip_native_v2_where_unsupported(runner: str) -> None:
+    import pytest
+
+    from draftflow.engine import installed_vllm_version
+
+    if runner == "v2" and Version(installed_vllm_version()) < Version(NATIVE_UNDER_V2):
+        pytest.skip(f"vLLM < {NATIVE_UNDER_V2} runs extract_hidden_states under V1 only")
+
+
+def assert_model_runner_v2(llm, expected: bool) -> None:
+    """The engine's config resolves to Model Runner V2 (or not), as its workers chose at start:
+    ``VllmConfig.use_v2_model_runner`` (vLLM >= 0.22) reads VLLM_USE_V2_MODEL_RUNNER, which the
+    engine's start set for its own processes only, and else the config's unsupported features."""
+    import os
+
+    config = llm.llm_engine.vllm_config
+    if not hasattr(type(config), "use_v2_model_runner"):
+        assert not expected, "this vLLM has no Model Runner V2"
+        return
+    forced = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    try:
+        chosen = bool(config.use_v2_model_runner)
+    finally:
+        if forced is not None:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = forced
+    if expected:
+        assert chosen, "vLLM's config does not pick Model Runner V2 for this engine"

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from capture_checks import assert_cosines_at_least, gpu_engine, random_prompts
+from capture_checks import (
+    assert_cosines_at_least,
+    assert_model_runner_v2,
+    async_scheduling,
+    gpu_engine,
+    random_prompts,
+    skip_native_v2_where_unsupported,
+)
 
 from draftflow.capture.backends import EngineSettings, make_backend
 from draftflow.capture.layers import capture_layers
@@ -51,16 +58,13 @@ def assert_close_to(captured, reference, layer_ids) -> dict:
     return assert_cosines_at_least(captured, reference, layer_ids, MIN_MEAN_COSINE, MIN_P01_COSINE)
 
 
-def async_scheduling(llm) -> bool:
-    return bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
-
-
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_hooks_match_hf_under_both_runners(runner, smollm2_dir, layers, hf_reference):
     backend = make_backend("hooks", smollm2_dir, layers.layer_ids, engine_settings(runner))
     try:
         assert backend.setup["runner"] == runner and backend.setup["device"].startswith("cuda")
         assert async_scheduling(backend.llm), "async scheduling is off: not the GPU default"
+        assert_model_runner_v2(backend.llm, runner == "v2")
         prompts = random_prompts(LENGTHS, seed=0)
         captured = backend.capture(prompts)
         stats = backend.last_stats
@@ -104,12 +108,16 @@ def test_hooks_quantize_fp8_on_the_gpu(smollm2_dir, layers, hf_reference):
     print("hooks v2 fp8 (quantized on the GPU) vs hf fp32:", summary)
 
 
-def test_native_matches_hf(smollm2_dir, layers, hf_reference):
-    """vLLM's own extractor with its stock (CUDA) connector; vLLM 0.24 runs it under V1."""
-    settings = engine_settings(kv_cache_memory_bytes=64 << 20)
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_native_matches_hf(runner, smollm2_dir, layers, hf_reference):
+    """vLLM's own extractor with its stock (CUDA) connector, under V1 and under Model Runner V2
+    (vLLM >= 0.32; 0.24 runs it under V1 only), both forced."""
+    skip_native_v2_where_unsupported(runner)
+    settings = engine_settings(runner, kv_cache_memory_bytes=64 << 20)
     backend = make_backend("native", smollm2_dir, layers.layer_ids, settings)
     try:
         assert async_scheduling(backend.llm)
+        assert_model_runner_v2(backend.llm, runner == "v2")
         prompts = random_prompts([7, 600, 33, 250, 120, 64], seed=4)
         captured = backend.capture(prompts)
         again = backend.capture(prompts[:2])
@@ -117,7 +125,7 @@ def test_native_matches_hf(smollm2_dir, layers, hf_reference):
         backend.close()
     assert [a.shape for a in again] == [(7, 4, 576), (600, 4, 576)]
     print(
-        "native vs hf fp32:",
+        f"native {runner} vs hf fp32:",
         assert_close_to(captured, hf_reference.capture(prompts), layers.layer_ids),
     )
 

@@ -7,7 +7,14 @@ torchvision); on the CPU build tests/test_families.py asserts its clear error in
 from __future__ import annotations
 
 import pytest
-from capture_checks import assert_cosines_at_least, gpu_engine, random_prompts
+from capture_checks import (
+    assert_cosines_at_least,
+    assert_model_runner_v2,
+    async_scheduling,
+    gpu_engine,
+    random_prompts,
+    skip_native_v2_where_unsupported,
+)
 from packaging.version import Version
 
 from draftflow.capture.backends import EngineSettings, make_backend
@@ -73,6 +80,8 @@ def test_hooks_capture_matches_hf(family, runner, family_targets):
         return
     backend = make_backend("hooks", target, layer_ids, engine_settings(runner))
     try:
+        assert backend.setup["runner"] == runner
+        assert async_scheduling(backend.llm), "async scheduling is off: not the GPU default"
         captured = backend.capture(prompts)
     finally:
         backend.close()
@@ -80,23 +89,29 @@ def test_hooks_capture_matches_hf(family, runner, family_targets):
     print(family, runner, "hooks vs hf fp32:", summary)
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_native_capture_matches_hf(family, family_targets):
-    """vLLM's extractor needs the class to take EAGLE-3 aux layers (all five do in vLLM)."""
+def test_native_capture_matches_hf(family, runner, family_targets):
+    """vLLM's extractor needs the class to take EAGLE-3 aux layers (all five do in vLLM); under
+    V1 and under Model Runner V2 (vLLM >= 0.32), both forced."""
+    skip_native_v2_where_unsupported(runner)
     target = family_targets(family)
     layer_ids = capture_layers(target).layer_ids
     prompts = random_prompts(LENGTHS, seed=4)
     refusal = native_refusal(target, installed_vllm_version(), cpu_build=False)
     if refusal:  # before any engine starts, in the job's words
         with pytest.raises(RuntimeError, match="MLA"):
-            make_backend("native", target, layer_ids, engine_settings())
+            make_backend("native", target, layer_ids, engine_settings(runner))
         pytest.skip(refusal)
-    if assert_start_refused_where_known("native", family, target, layer_ids, engine_settings()):
+    settings = engine_settings(runner)
+    if assert_start_refused_where_known("native", family, target, layer_ids, settings):
         return
-    backend = make_backend("native", target, layer_ids, engine_settings())
+    backend = make_backend("native", target, layer_ids, settings)
     try:
+        assert async_scheduling(backend.llm), "async scheduling is off: not the GPU default"
+        assert_model_runner_v2(backend.llm, runner == "v2")
         captured = backend.capture(prompts)
     finally:
         backend.close()
     summary = assert_verifies(captured, reference_states(target, layer_ids, prompts), layer_ids)
-    print(family, "native vs hf fp32:", summary)
+    print(family, "native", runner, "vs hf fp32:", summary)

@@ -11,9 +11,11 @@ from draftflow.capture.adapters.v1_runner import V1RunnerAdapter
 from draftflow.capture.adapters.v2_runner import V2RunnerAdapter
 
 RUNNER_ADAPTERS = (V1RunnerAdapter, V2RunnerAdapter)
-# vLLM versions the hooks backend supports: 0.16 (first tested) up to the last with the V1
-# runner; on GPUs it runs under V1 and V2 there. 0.33+ (V2 only) is untested, so ``auto`` moves
-# to ``native`` there.
+# vLLM versions the hooks backend supports: 0.16 (first tested) up to the newest release a GPU
+# lane passed on (0.24, envs/gpu-lane.txt), under the V1 runner and Model Runner V2; 0.25 - 0.32
+# rest on the CPU lane (0.32) and tools/vllm_contract.py. 0.33 passes the contract check but its
+# GPU lane (envs/gpu-lane-033.txt) has not run yet, so it stays refused and ``auto`` moves to
+# ``native`` there. Widen only after both pass (docs/capture.md, "A new vLLM release").
 HOOKS_VERSIONS = ">=0.16, <0.33"
 HOOKS_MIN = Version("0.16")
 HOOKS_MAX_EXCLUSIVE = Version("0.33")

@@ -1,5 +1,6 @@
-"""vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner``), written against vLLM 0.24: the
-batch layout of one forward.
+"""vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner``), written against vLLM 0.24 and
+unchanged through 0.33 (tools/vllm_contract.py checks the names below per release): the batch
+layout of one forward.
 
 V2 has no persistent ``input_batch``: ``execute_model`` builds a fresh ``InputBatch`` per step
 (requests sorted by scheduled tokens: decodes first, then prefills) and keeps it in
@@ -7,7 +8,8 @@ V2 has no persistent ``input_batch``: ``execute_model`` builds a fresh ``InputBa
 ``req_ids`` and ``num_scheduled_tokens`` (aligned arrays) are the order of the flattened token
 batch, so the layout is read right after the forward, before ``sample_tokens()`` runs. V2 is
 the GPU default for Llama, Qwen3 and DeepSeek-V2/V3 from vLLM 0.23 (0.22 for Qwen3) and for
-every model from 0.29; it needs Triton, so the CPU build keeps V1.
+every model from 0.29; ``VLLM_USE_V2_MODEL_RUNNER=0`` still selects V1 in 0.33. V2 needs Triton,
+so the CPU build keeps V1.
 """
 
 from __future__ import annotations

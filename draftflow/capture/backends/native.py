@@ -8,7 +8,9 @@ CPU build ``draftflow.capture.adapters.native_connector.SyncHiddenStatesConnecto
 the same work synchronously (the stock one needs pinned memory). The connector needs each prompt
 in one forward: chunked prefill is off, so ``max_num_batched_tokens`` is raised to
 ``max_model_len`` where it is lower. vLLM 0.24 runs this speculative method under the V1 model
-runner only (its V2 runner falls back to V1 for it).
+runner only (its V2 runner falls back to V1 for it), so ``model_runner: default`` means V1 below
+``NATIVE_V2_MIN_VERSION``; vLLM supports the method under V2 from 0.32 (its wheels), but no GPU
+lane has run it there yet.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ NATIVE_MIN_VERSION = "0.22"
 # (CPU build). On GPUs 0.24 fails at the first forward: its hidden-state cache takes the MLA
 # KV cache's layout (tests/gpu/test_gpu_families.py).
 NATIVE_MLA_MIN_VERSION = "0.32"
+# The oldest vLLM whose Model Runner V2 a GPU lane saw capturing with the extractor
+# (tests/gpu: test_native_matches_hf[v2]); None until one has. Below it ``default`` means V1.
+NATIVE_V2_MIN_VERSION: str | None = None
 CPU_CONNECTOR_MODULE = "draftflow.capture.adapters.native_connector"
 CPU_CONNECTOR_CLASS = "SyncHiddenStatesConnector"
 GPU_CONNECTOR_CLASS = "ExampleHiddenStatesConnector"
@@ -76,6 +81,17 @@ def native_refusal(model_dir: str | os.PathLike[str], vllm_version: str, cpu_bui
             "captures them with any vLLM"
         )
     return ""
+
+
+def native_model_runner(model_runner: str, vllm_version: str) -> str:
+    """The runner the extractor's engine is started with: vLLM 0.24's Model Runner V2 refuses
+    this speculative method, so below ``NATIVE_V2_MIN_VERSION`` the default is V1."""
+    if model_runner != "default":
+        return model_runner
+    if NATIVE_V2_MIN_VERSION is None:
+        return "v1"
+    old = Version(Version(vllm_version).base_version) < Version(NATIVE_V2_MIN_VERSION)
+    return "v1" if old else "default"
 
 
 class NativeBackend:
@@ -116,8 +132,7 @@ class NativeBackend:
             "kv_connector_extra_config": {"shared_storage_path": self._tmp.name},
         }
         # The KV connector makes the CPU build keep no scheduler core unless told.
-        # vLLM 0.24's Model Runner V2 refuses this speculative method: keep V1 unless told.
-        runner = "v1" if settings.model_runner == "default" else settings.model_runner
+        runner = native_model_runner(settings.model_runner, self.vllm_version)
         env = engine_env(
             reserved_cpus=settings.reserved_cpus,
             model_runner=runner,

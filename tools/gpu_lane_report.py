@@ -1,0 +1,93 @@
+"""The GPU lane's outcome as docs/results JSON: tests passed per family x runner x backend.
+
+Reads the pytest logs (``-v``) that ``tools/gpu_lane_033.sh tests`` packs into lane-logs.tar.gz,
+and optionally perf/gpu_capture.py's JSON, and writes one record:
+
+    python tools/gpu_lane_report.py --logs lane-logs.tar.gz --perf gpu-capture-033.json \\
+        --device "NVIDIA H200" --command "..." --out docs/results/gpu-lane-033-DATE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import tarfile
+from pathlib import Path
+
+OUTCOME = re.compile(r"^(tests/gpu/\S+::(\w+)(?:\[([^\]]*)\])?) (PASSED|FAILED|SKIPPED|ERROR)")
+VERSIONS = re.compile(r"^(torch|vllm) (\S+)")
+
+
+def read_logs(archive: Path) -> dict[str, str]:
+    with tarfile.open(archive) as tar:
+        return {
+            Path(m.name).name: tar.extractfile(m).read().decode("utf-8", "replace")
+            for m in tar.getmembers()
+            if m.isfile()
+        }
+
+
+def outcome_rows(logs: dict[str, str]) -> list[dict]:
+    """One row per test: its node id, the family / runner / backend it covers, its outcome."""
+    rows = {}
+    for name, text in logs.items():
+        if not name.endswith(".log"):
+            continue
+        for line in text.splitlines():
+            match = OUTCOME.match(line.strip())
+            if not match:
+                continue
+            node, test, params, outcome = match.groups()
+            parts = params.split("-") if params else []
+            backend = "native" if "native" in test else "hooks" if "hooks" in test else "engine"
+            family = next((p for p in parts if p not in ("v1", "v2", "default")), "smollm2")
+            runner = next((p for p in parts if p in ("v1", "v2", "default")), "default")
+            rows[node] = {
+                "test": node,
+                "family": family,
+                "runner": runner,
+                "backend": backend,
+                "outcome": outcome.lower(),
+            }
+    return sorted(rows.values(), key=lambda r: r["test"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--logs", type=Path, nargs="+", required=True)
+    parser.add_argument("--perf", type=Path)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--command", action="append", default=[])
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logs: dict[str, str] = {}
+    for archive in args.logs:
+        logs.update(read_logs(archive))
+    versions = dict(VERSIONS.findall(logs.get("smoke.log", ""), re.M))
+    rows = outcome_rows(logs)
+    record = {
+        "device": args.device,
+        "date": args.date,
+        "versions": versions,
+        "commands": args.command,
+        "passed": sum(r["outcome"] == "passed" for r in rows),
+        "failed": sum(r["outcome"] in ("failed", "error") for r in rows),
+        "skipped": sum(r["outcome"] == "skipped" for r in rows),
+        "tests": rows,
+    }
+    if args.perf:
+        perf = json.loads(args.perf.read_text())
+        results = perf.get("results", perf if isinstance(perf, list) else [])
+        record["capture_ratio_to_plain"] = {
+            r["mode"]: r.get("ratio_to_plain") for r in results if isinstance(r, dict)
+        }
+        record["capture"] = perf
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k not in ("tests", "capture")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,8 @@ and one batch-layout adapter per model runner (``v1_runner``, ``v2_runner``)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from packaging.version import Version
@@ -18,6 +20,9 @@ RUNNER_ADAPTERS = (V1RunnerAdapter, V2RunnerAdapter)
 # ``native`` there. Widen only after both pass (docs/capture.md, "A new vLLM release").
 HOOKS_VERSIONS = ">=0.16, <0.33"
 HOOKS_MIN = Version("0.16")
+# The GPU lane of a release beyond the gate names it here to test it (tools/gpu_lane_env.sh); only
+# that exact version is let through, with a warning.
+UNTESTED_VLLM_ENV = "DRAFTFLOW_HOOKS_UNTESTED_VLLM"
 HOOKS_MAX_EXCLUSIVE = Version("0.33")
 
 
@@ -26,11 +31,24 @@ def hooks_support(vllm_version: str) -> bool:
     return HOOKS_MIN <= version < HOOKS_MAX_EXCLUSIVE
 
 
+log = logging.getLogger(__name__)
+
+
 def check_hooks_version(vllm_version: str) -> None:
+    if not hooks_support(vllm_version) and os.environ.get(UNTESTED_VLLM_ENV) == vllm_version:
+        log.warning(
+            "hooks backend on vLLM %s, beyond %s: %s is set",
+            vllm_version,
+            HOOKS_VERSIONS,
+            UNTESTED_VLLM_ENV,
+        )
+        return
     if not hooks_support(vllm_version):
+        from draftflow.capture.backends.native import NATIVE_MIN_VERSION
+
         raise RuntimeError(
             f"extract.backend 'hooks' does not support vLLM {vllm_version}: supported are "
-            f"{HOOKS_VERSIONS}; use backend 'native' (vLLM >= 0.17) or 'hf'"
+            f"{HOOKS_VERSIONS}; use backend 'native' (vLLM >= {NATIVE_MIN_VERSION}) or 'hf'"
         )
 
 

@@ -1,4 +1,4 @@
-"""vLLM >= 0.17 (written against 0.32): ``ExampleHiddenStatesConnector`` that also runs on the CPU.
+"""vLLM >= 0.24 on the CPU build (written against 0.32): ``ExampleHiddenStatesConnector`` that also runs on the CPU.
 
 The stock connector copies the states out of its KV-cache slot through a CUDA stream into pinned
 memory and writes the file on a thread; on the CPU ``pin_memory=True`` raises ("requires a CUDA or

@@ -1,4 +1,4 @@
-"""vLLM's built-in extractor (vLLM >= 0.17): speculative method ``extract_hidden_states``.
+"""vLLM's built-in extractor (vLLM >= 0.22: the connector helpers it reads arrive there): speculative method ``extract_hidden_states``.
 
 vLLM stores the states entering the configured layers (same ids as ours: k = the stream after k
 layers, L = the final pre-norm output) in a KV-cache slot, and a KV connector writes one

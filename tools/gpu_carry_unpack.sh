@@ -7,8 +7,9 @@ set -euo pipefail
 store=${1:-/tmp/carry/parts}
 site=${2:-/tmp/carry/site}
 mkdir -p "$store" "$site"
+# Copied, not moved: run by mistake where the parts are built, it leaves them in place.
 if [[ -d .carry/parts ]]; then
-  find .carry/parts -maxdepth 1 -type f -exec mv -f {} "$store"/ \;
+  find .carry/parts -maxdepth 1 -type f -exec cp -f {} "$store"/ \;
 fi
 [[ -f $store/SHA256SUMS ]] || { echo "no SHA256SUMS in $store yet"; exit 0; }
 cd "$store"

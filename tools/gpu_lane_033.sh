@@ -3,7 +3,8 @@
 #   bash tools/gpu_lane_033.sh parts OUT             unpack what arrived in .carry/parts; check
 #                                                    `import torch` / `import vllm` once unpacked
 #   bash tools/gpu_lane_033.sh tests OUT SECONDS GROUP...   pytest groups side by side on the GPU
-#   bash tools/gpu_lane_033.sh perf OUT SECONDS      capture speed (perf/gpu_capture.py, llama8b)
+#   bash tools/gpu_lane_033.sh perf OUT SECONDS      capture speed (perf/gpu_capture.py, llama8b:
+#                                                    plain prefill, hooks under V2, native)
 # GROUPs: capture (test_gpu_capture.py), qwen (Qwen3, Qwen3-MoE), mla (DeepSeek-V3, Kimi-K2.5),
 # other (GPT-OSS, Llava), workflow (test_gpu_workflow.py). Logs and the failures' report land in
 # OUT/lane-logs.tar.gz; tools/gpu_lane_report.py turns them into docs/results JSON.
@@ -65,9 +66,10 @@ tests)
   pids=()
   for group in "$@"; do
     args=$(group_args "$group") || exit 1
-    DRAFTFLOW_GPU_REPORT="$out/logs/$group-failures.txt" eval timeout "$seconds" \
-      python3 -m pytest -v -rA -p no:cacheprovider --durations=10 "$args" \
-      >"$out/logs/$group.log" 2>&1 &
+    (
+      export DRAFTFLOW_GPU_REPORT="$out/logs/$group-failures.txt"
+      eval timeout "$seconds" python3 -m pytest -v -rA -p no:cacheprovider --durations=10 "$args"
+    ) >"$out/logs/$group.log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
@@ -79,8 +81,10 @@ perf)
   bash tools/gpu_carry_unpack.sh
   smoke >"$out/logs/smoke.log" 2>&1
   export PYTHONUNBUFFERED=1
-  timeout "$seconds" python3 perf/gpu_capture.py --root /tmp/gcap --model llama8b --prompts 256 \
-    --length 1024 --modes plain hooks-v2 native --out "$out/gpu-capture-033.json" \
+  # PERF_PROMPTS / PERF_REPEATS shorten the run where the machine's time is short.
+  timeout "$seconds" python3 perf/gpu_capture.py --root /tmp/gcap --model llama8b \
+    --prompts "${PERF_PROMPTS:-256}" --repeats "${PERF_REPEATS:-2}" --length 1024 \
+    --modes plain hooks-v2 native --out "$out/gpu-capture-033.json" \
     >"$out/logs/perf.log" 2>&1
   tail -5 "$out/logs/perf.log"
   pack_logs

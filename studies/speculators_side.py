@@ -55,7 +55,7 @@ RECIPES = ("defaults", "draftflow")
 CONFIG_FILES = ("config/examples/smollm2-gpu.yaml", "curve.yaml")
 SERVER_START_S = 900
 # How speculators computes its losses, for every recipe: its fused Triton losses inside its
-# torch.compile'd step stop torch 2.11's Dynamo on the H200 ("ListVariable ... is already
+# torch.compile'd step stop torch 2.11's Dynamo on a GPU ("ListVariable ... is already
 # tracked for mutation"); its eager losses compute the same terms.
 LOSS_IMPLEMENTATION = "eager"
 
@@ -96,7 +96,7 @@ def server_context(target: Path, seq_length: int) -> int:
     """The server's context length: the target's own, as speculators launches vLLM (without
     ``--max-model-len``). Its renderer refuses a conversation that fills the context ("max_tokens
     must be at least 1"); with the context at ``--seq-length`` that dropped 29 of 537
-    conversations on the H200, which prepare-data (like draftflow) would have truncated."""
+    conversations on the GPU, which prepare-data (like draftflow) would have truncated."""
     from draftflow.capture.layers import text_config
     from draftflow.io import read_json
 

@@ -139,7 +139,7 @@ def _make_tokenizer_config_portable(out: Path, tokenizer: Any) -> None:
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    # Loader flags of this session, not properties of the tokenizer.
+    # Loader flags of this load, not properties of the tokenizer.
     for key in ("is_local", "local_files_only"):
         config.pop(key, None)
     template = getattr(tokenizer, "chat_template", None)

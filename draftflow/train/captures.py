@@ -293,7 +293,7 @@ def collate(
 
     Hidden states (hundreds of MB a step for an 8B-shaped target) are copied once, from the
     store's rows straight into the batch: gathering, concatenating, padding and pinning as
-    separate steps made four more copies and starved two GPUs (docs/benchmarks.md).
+    separate steps made four more copies and starved two GPUs.
     """
     from speculators.models.eagle3 import shift_batch
 

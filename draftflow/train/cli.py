@@ -41,7 +41,7 @@ def launch(job: TrainJob, gpus: int) -> None:
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env:
         # torchrun would set 1: too few to pack each step's batch (hundreds of MB of hidden
-        # states) in time: on 2 H200s 35k tokens/s with 1 thread, 120k with 8 (docs/benchmarks.md).
+        # states) in time: one thread per rank starved the GPUs of batches.
         cpus = available_cores()
         env["OMP_NUM_THREADS"] = str(job.settings.threads or max(1, cpus // gpus))
     log.info("launching %s", " ".join(command))

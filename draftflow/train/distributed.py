@@ -59,7 +59,7 @@ def uses_bf16(device: torch.device, precision: str) -> bool:
 
 def autocast(device: torch.device, precision: str = "auto"):
     # bf16 matmuls with fp32 weights and optimizer state; on CPUs with AMX a bf16 GEMM of the
-    # draft's shape ran 4-7x faster than in fp32 (docs/benchmarks.md, "Training").
+    # draft's shape ran several times faster than in fp32.
     if uses_bf16(device, precision):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -3,7 +3,7 @@
 vLLM's CPU worker pins itself to the cores it may use minus ``VLLM_CPU_NUM_OF_RESERVED_CPU``
 (kept for the scheduler). Snakemake exports ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` = the rule's
 ``threads`` to every job, and with ``MKL_NUM_THREADS=2`` a worker pinned to one core ran two
-oneDNN threads on it: SmolLM2 generation fell from 290 to 10 tokens/s (docs/benchmarks.md). So
+oneDNN threads on it: SmolLM2 generation fell by more than an order of magnitude. So
 every CPU engine gets thread counts equal to the cores its worker really gets
 (``draftflow.engine.engine_env`` applies them).
 """

@@ -44,6 +44,27 @@ from workflow_support import (  # noqa: E402
 )
 
 
+def job_seconds(workdir: Path, mode: str) -> dict:
+    """Wall seconds of every train capture and training job of a finished copy (its Snakemake
+    benchmark files), and the checkpoint bytes it keeps."""
+    if mode == "streamed":
+        captures = sorted(workdir.glob("benchmarks/stream/link-*/extract.tsv"))
+        trains = [*sorted(workdir.glob("benchmarks/stream/link-*/train.tsv"))]
+        trains.append(workdir / "benchmarks/train.tsv")
+    else:
+        captures = sorted(workdir.glob("benchmarks/extract/train/*.tsv"))
+        trains = [workdir / "benchmarks/train.tsv"]
+    return {
+        "capture_job_seconds": [
+            round(benchmark_seconds(path.parent, path.name), 2) for path in captures
+        ],
+        "train_job_seconds": [
+            round(benchmark_seconds(path.parent, path.name), 2) for path in trains
+        ],
+        "final_checkpoint_bytes": tree_bytes(workdir / "results" / "train" / "checkpoints"),
+    }
+
+
 def measured_run(workdir: Path, mode: str) -> dict:
     results = workdir / "results"
     sampler = DiskSampler(
@@ -75,6 +96,7 @@ def measured_run(workdir: Path, mode: str) -> dict:
         "peak_train_capture_bytes": sampler.peak["train_capture_bytes"],
         "final_results_bytes": tree_bytes(results),
         "draft_sha256": sha256(workdir / DRAFT / "model.safetensors"),
+        **job_seconds(workdir, mode),
     }
 
 

@@ -93,7 +93,7 @@ ifeq ($(TARGET_CONFIG),)
 else
 	$(BIN)/python -m draftflow.plan --configfile $(CONFIG) --target-config $(TARGET_CONFIG) --device-memory-gib $(DEVICE_MEMORY_GIB)
 endif
-	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) --forcerun plan_extract results/extract/plan.json
+	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) --forcerun plan_extract -- results/extract/plan.json
 	$(BIN)/python -m draftflow.capture.plan results/extract/plan.json
 
 report: $(STAMP)

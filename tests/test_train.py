@@ -544,8 +544,12 @@ def test_packed_attention_trains_as_dense_attention(tiny_store, tmp_path):
         runs[attention] = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]
     packed, dense = runs["auto"], runs["sdpa"]
     assert [r["step"] for r in packed] == [r["step"] for r in dense] == list(range(1, 5))
+    # Step 1 is the same weights through both attentions: float32 rounding only. Later steps
+    # add AdamW's early updates, about lr in size whatever the gradient, so a rounding-sized
+    # gradient difference moves a weight by up to lr: measured 2e-4 relative by step 4.
+    assert packed[0]["loss"] == pytest.approx(dense[0]["loss"], rel=2e-5)
     for a, b in zip(packed, dense, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
         assert a["full_acc"] == pytest.approx(b["full_acc"], abs=1e-6)
 
 

@@ -32,8 +32,11 @@ $(STAMP016): envs/cpu-vllm016.txt envs/cpu-vllm016-nodeps.txt
 	PIP_CONSTRAINT= $(VENV016)/bin/pip install -q --no-deps -r envs/cpu-vllm016-nodeps.txt
 	touch $(STAMP016)
 
+# Its venv has no Snakemake: the demo's merged config comes from the main venv's load_config.
 test-vllm016: $(STAMP016) $(STAMP)
-	PYTHONPATH=$(CURDIR) $(VENV016)/bin/pytest -q --durations=25 tests/test_capture.py
+	mkdir -p .test-cache
+	$(BIN)/python -c "import json, sys; from draftflow.config import DEMO_CONFIG, load_config; json.dump(load_config(DEMO_CONFIG), sys.stdout)" > .test-cache/demo-config.json
+	DRAFTFLOW_MERGED_DEMO_CONFIG=.test-cache/demo-config.json PYTHONPATH=$(CURDIR) $(VENV016)/bin/pytest -q --durations=25 tests/test_capture.py
 
 # The GPU lane: on a CUDA machine with the packages of envs/gpu-lane.txt installed (docs/gpu.md).
 # It uses the machine's own Python (torch with CUDA comes with it), not .venv.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
+import os
 from typing import Any
 
 from draftflow.bench.settings import BenchSettings, bench_settings
@@ -18,9 +20,17 @@ from draftflow.data.tokenize import TokenizeSettings
 from draftflow.engine_settings import EngineSettings, engine_settings
 from draftflow.train.settings import TrainSettings
 
+# The vLLM 0.16 lane's venv has no Snakemake (whose loader load_config uses): the main venv
+# writes the merged demo config to this file first (Makefile, test-vllm016).
+MERGED_DEMO_ENV = "DRAFTFLOW_MERGED_DEMO_CONFIG"
+
 
 @functools.cache
 def _demo_config() -> dict[str, Any]:
+    merged = os.environ.get(MERGED_DEMO_ENV)
+    if merged:
+        with open(merged, encoding="utf-8") as file:
+            return json.load(file)
     return load_config(DEMO_CONFIG)
 
 

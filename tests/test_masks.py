@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from config_support import split_settings, tokenize_settings
+from mask_support import masked_runs
 from safetensors.numpy import load_file
 
 from draftflow.data.masks import ChatTemplateMasker, mask_from_spans
@@ -130,18 +131,6 @@ def smollm2_tokenizer(smollm2_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
-
-
-def masked_runs(input_ids: list[int], loss_mask: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    previous = 0
-    for token, bit in zip(input_ids, loss_mask, strict=True):
-        if bit and not previous:
-            runs.append([])
-        if bit:
-            runs[-1].append(token)
-        previous = bit
-    return runs
 
 
 def template_ids(tokenizer, messages) -> list[int]:

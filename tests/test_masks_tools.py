@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 import pytest
 from config_support import split_settings, tokenize_settings
+from mask_support import masked_runs
 
 from draftflow.data.masks import ChatTemplateMasker
 from draftflow.data.tokenize import tokenize_corpus
@@ -119,14 +120,7 @@ def masked_texts(tokenizer, messages, tools=None, **template_kwargs) -> list[str
     )
     reference = reference["input_ids"] if hasattr(reference, "keys") else reference
     assert encoded.input_ids == list(reference)
-    runs: list[list[int]] = []
-    previous = 0
-    for token, bit in zip(encoded.input_ids, encoded.loss_mask, strict=True):
-        if bit and not previous:
-            runs.append([])
-        if bit:
-            runs[-1].append(token)
-        previous = bit
+    runs = masked_runs(encoded.input_ids, encoded.loss_mask)
     return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from mask_support import masked_runs
 
 from draftflow.corpus.toolcalls import ARGUMENTS_AS_OBJECT, ARGUMENTS_AS_STRING
 from draftflow.data.masks import ChatTemplateMasker
@@ -130,14 +131,7 @@ def masked_texts(tokenizer, messages, tools=None) -> list[str]:
     )
     reference = reference["input_ids"] if hasattr(reference, "keys") else reference
     assert encoded.input_ids == list(reference)
-    runs: list[list[int]] = []
-    previous = 0
-    for token, bit in zip(encoded.input_ids, encoded.loss_mask, strict=True):
-        if bit and not previous:
-            runs.append([])
-        if bit:
-            runs[-1].append(token)
-        previous = bit
+    runs = masked_runs(encoded.input_ids, encoded.loss_mask)
     return [tokenizer.decode(run, skip_special_tokens=False).strip() for run in runs]
 
 

@@ -151,9 +151,8 @@ def export_chain(job: TrainJob, last_marker: str) -> dict:
     the same files the stored mode's training job writes at its end."""
     from draftflow.train.export import export_draft
     from draftflow.train.metrics import last_val, read_metrics
-    from draftflow.train.model import build_draft_model, resolve_attn_impl
+    from draftflow.train.model import draft_for_job, resolve_attn_impl
     from draftflow.train.optim import build_optimizers
-    from draftflow.train.vocab import read_vocab
 
     settings = job.settings
     marker = read_json(last_marker)
@@ -165,18 +164,8 @@ def export_chain(job: TrainJob, last_marker: str) -> dict:
         )
     torch.manual_seed(settings.seed)
     val_shards = CaptureSet(job.val_shards)
-    d2t, t2d = read_vocab(job.vocab_path)
-    model = build_draft_model(
-        job.target_dir,
-        val_shards.aux_layer_ids,
-        d2t,
-        t2d,
-        num_layers=settings.num_layers,
-        ttt_steps=settings.ttt_steps,
-        variant=settings.variant,
-        attn_impl=resolve_attn_impl(settings.attn_impl, torch.device("cpu")),
-        trust_remote_code=job.trust_remote_code,
-    )
+    attn_impl = resolve_attn_impl(settings.attn_impl, torch.device("cpu"))
+    model = draft_for_job(job, val_shards.aux_layer_ids, attn_impl)
     load_checkpoint(checkpoint, model, build_optimizers(model, settings, torch.device("cpu")))
     history = metrics_history(root)
     records = read_metrics(history)

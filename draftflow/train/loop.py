@@ -47,14 +47,13 @@ from draftflow.train.metrics import (
     summarize,
 )
 from draftflow.train.model import (
-    build_draft_model,
+    draft_for_job,
     resolve_attn_impl,
     trainable_state,
     use_sync_free_accuracy,
 )
 from draftflow.train.optim import build_optimizers, lr_factor
 from draftflow.train.settings import TrainSettings
-from draftflow.train.vocab import read_vocab
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +113,8 @@ def train(job: TrainJob) -> dict | None:
         # Planned from every shard's lengths; only this link's shard is on disk.
         train_shards, planned, data_identity = link.captures, link.planned, link.digest
     val_shards = CaptureSet(job.val_shards)
-    d2t, t2d = read_vocab(job.vocab_path)
     attn_impl = resolve_attn_impl(settings.attn_impl, placement.device)
-    model = build_draft_model(
-        job.target_dir,
-        train_shards.aux_layer_ids,
-        d2t,
-        t2d,
-        num_layers=settings.num_layers,
-        ttt_steps=settings.ttt_steps,
-        variant=settings.variant,
-        attn_impl=attn_impl,
-        trust_remote_code=job.trust_remote_code,
-    ).to(placement.device)
+    model = draft_for_job(job, train_shards.aux_layer_ids, attn_impl).to(placement.device)
     raw_model = model
     use_sync_free_accuracy()
     optimizers = build_optimizers(model, settings, placement.device)

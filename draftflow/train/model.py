@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftflow.capture.layers import text_config
 from draftflow.io import read_json
 from draftflow.train.attention import PACKED_SDPA, register_packed_sdpa
+from draftflow.train.vocab import read_vocab
+
+if TYPE_CHECKING:
+    from draftflow.train.job import TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,23 @@ def build_draft_model(
         ttt_steps=ttt_steps,
         draft_attn_impl=attn_impl,
         trust_remote_code=trust_remote_code,
+    )
+
+
+def draft_for_job(job: TrainJob, aux_layer_ids: list[int], attn_impl: str) -> torch.nn.Module:
+    """A fresh draft for a training job: its target, its vocab and its train settings."""
+    d2t, t2d = read_vocab(job.vocab_path)
+    settings = job.settings
+    return build_draft_model(
+        job.target_dir,
+        aux_layer_ids,
+        d2t,
+        t2d,
+        num_layers=settings.num_layers,
+        ttt_steps=settings.ttt_steps,
+        variant=settings.variant,
+        attn_impl=attn_impl,
+        trust_remote_code=job.trust_remote_code,
     )
 
 

@@ -55,7 +55,9 @@ sampler=$!
 # 1. the target
 build_began=$(date +%s)
 built=reused
-if [[ ! -f $root/target.built.json ]]; then
+# a finished full-size target is kept (a small one of GPU_EXAMPLE_TARGET_ARGS never is)
+if [[ -n ${GPU_EXAMPLE_TARGET_ARGS:-} || ! -f $root/target.built.json ]] ||
+  ! grep -q '"overrides": {}' "$root/target.built.json"; then
   built=drawn
   if ! python3 tools/gpu_example_target.py --config "$target_config" \
     --tokenizer "$data/tokenizer" --out "$root/target" --device cuda ${GPU_EXAMPLE_TARGET_ARGS:-} \

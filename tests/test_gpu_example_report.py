@@ -125,7 +125,8 @@ def workdir(tmp_path: Path) -> Path:
     write(tmp_path / "results/corpus/ingested.jsonl", b"x" * 1000)
     write(tmp_path / "results/corpus/regenerated.jsonl", b"x" * 500)
     write(tmp_path / "results/extract/train/shard-00000/chunk-00000.safetensors", b"x" * 7000)
-    write(tmp_path / "results/extract/train/shard-00000/manifest.json", b"x" * 100)
+    manifest = json.dumps({"backend": "native", "verification": {"passed": True}}).encode()
+    write(tmp_path / "results/extract/train/shard-00000/manifest.json", manifest.ljust(100))
     plan = {
         "shards": [
             {
@@ -221,7 +222,8 @@ def test_report_of_a_run(workdir: Path):
         7100,
     )
     assert train["written_over_planned"] == pytest.approx(7100 / 8000, abs=1e-4)
-    assert val["written_bytes"] is None
+    assert (train["backend"], train["verification_passed"]) == ("native", True)
+    assert val["written_bytes"] is None and val["backend"] is None
 
     memory = result["gpu_memory"]
     assert memory["idle_mib"] == 0 and memory["peak_mib"] == 72_500

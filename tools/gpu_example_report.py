@@ -260,7 +260,8 @@ def bytes_written(workdir: Path) -> dict[str, int]:
 
 
 def disk_plan_check(workdir: Path) -> list[dict[str, Any]]:
-    """Each capture store's planned bytes (results/extract/plan.json) against its bytes."""
+    """Each capture store's planned bytes (results/extract/plan.json) against its bytes, with
+    the backend that wrote it and its check's verdict (the store's manifest)."""
     plan_path = workdir / "results" / "extract" / "plan.json"
     if not plan_path.is_file():
         return []
@@ -270,6 +271,10 @@ def disk_plan_check(workdir: Path) -> list[dict[str, Any]]:
         output = Path(shard["output"])
         store = output if output.is_absolute() else workdir / output
         written = tree_bytes(store) if store.exists() else None
+        manifest_path = store / "manifest.json"
+        manifest = (
+            json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else {}
+        )
         rows.append(
             {
                 "store": str(Path(shard["output"]).relative_to(Path(shard["output"]).parents[2])),
@@ -280,6 +285,8 @@ def disk_plan_check(workdir: Path) -> list[dict[str, Any]]:
                 "written_over_planned": round(written / shard["total_bytes"], 4)
                 if written is not None and shard["total_bytes"]
                 else None,
+                "backend": manifest.get("backend"),
+                "verification_passed": manifest.get("verification", {}).get("passed"),
             }
         )
     return rows

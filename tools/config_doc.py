@@ -44,6 +44,18 @@ corpus:
 engine: {device: gpu, tensor_parallel_size: 1}  # every vLLM engine: regenerate, extract, bench
 ```
 
+Before the run, size `engine.tensor_parallel_size` with the engine plan, from the target's own
+`config.json` alone (no GPU, nothing downloaded): `python -m draftflow.plan --configfile my.yaml
+--target-config /models/My-Target-Instruct/config.json --device-memory-gib 80` (80: an H100;
+139.8: an H200), or `make plan CONFIG=my.yaml TARGET_CONFIG=.../config.json`. It prints every
+vLLM engine with its weights and KV cache per GPU and names the keys to change where one cannot
+run; raise `engine.tensor_parallel_size` (a divisor of the target's attention heads) until the
+weights leave room for the KV cache. `--target-config` is needed where `target.path` is a hub id
+(only a local checkpoint's `config.json` is read at start). A quantized checkpoint (fp8,
+MXFP4, compressed-tensors, AWQ/GPTQ) is used as stored: `target.dtype` is then the dtype of its
+unquantized modules and of the engines. A multimodal checkpoint (Gemma 3, Llama 4, Kimi-K2.5)
+runs text only; `target.path` names the whole checkpoint.
+
 `snakemake --configfile my.yaml --cores all --resources gpu=N`. The CPU demo
 (SmolLM2-135M-Instruct + ShareGPT on vLLM's CPU build) is `config/demo.yaml`, an overlay that
 sets `engine.device: cpu` and the demo's CPU sizes (`make demo`, or

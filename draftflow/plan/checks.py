@@ -132,15 +132,17 @@ def _cache_problems(
         if shape is None:
             continue
         context = engine.max_model_len + (1 if stage == "extract" else 0)
-        per_token = shape.kv_bytes_per_token(kv_cache_dtype(engine), engine.tensor_parallel_size)
-        if given < context * per_token:
+        tp = engine.tensor_parallel_size
+        # One sequence's need: linear-attention layers hold a state, not tokens; windowed layers
+        # every token (vLLM reserves the window plus the tokens in flight).
+        need = shape.kv_bytes_per_sequence(kv_cache_dtype(engine), context, tp)
+        per_token = shape.kv_bytes_per_token(kv_cache_dtype(engine), tp, context)
+        if given < need:
             problems.append(
                 f"{section}.kv_cache_memory_bytes {given} holds {given // per_token} tokens of "
-                f"{per_token} bytes ({shape.model_type}, tensor_parallel_size "
-                f"{engine.tensor_parallel_size}), less than one {CONTEXT_KEY[stage]} "
-                f"{context}-token sequence ({context * per_token} bytes). Fix: "
-                f"{section}.kv_cache_memory_bytes >= {context * per_token}, or a shorter "
-                "context"
+                f"{per_token} bytes ({shape.model_type}, tensor_parallel_size {tp}), less than "
+                f"one {CONTEXT_KEY[stage]} {context}-token sequence ({need} bytes). Fix: "
+                f"{section}.kv_cache_memory_bytes >= {need}, or a shorter context"
             )
     return problems
 

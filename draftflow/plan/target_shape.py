@@ -1,23 +1,40 @@
 """A target's shape from its config.json alone: layers, heads, weight bytes, KV bytes per token.
 
-No transformers import: config.json is read as JSON, and a multimodal wrapper (Kimi-K2.5, Llava,
-Mistral3) is read through its ``text_config`` (vLLM runs every draftflow engine text only, so a
-vision tower takes no memory). Parameters are counted module by module the way the HF modeling
-code lays them out (embeddings, attention or MLA, dense MLP, routed and shared experts with
-DeepSeek's ``first_k_dense_replace``, norms, an untied lm_head); a quantized checkpoint
-(``quantization_config``: compressed-tensors, fp8, mxfp4, or a ``bits``/``group_size`` method) stores the
-modules it quantizes in fewer bytes, with its ``ignore`` list honoured.
+config.json is read as JSON (transformers only where it leaves keys out, below), and a multimodal
+wrapper (Kimi-K2.5, Llava, Mistral3, Gemma 3, Llama 4) is read through its ``text_config`` (vLLM
+runs every draftflow engine text only, so a vision tower takes no memory). Parameters are
+counted module by module the way the HF modeling code lays them out (embeddings, attention, MLA
+or Gated DeltaNet, dense MLP, routed and shared experts with DeepSeek's ``first_k_dense_replace``
+or Llama 4's interleaving, norms, an untied lm_head); a quantized checkpoint
+(``quantization_config``: compressed-tensors, fp8, mxfp4, or a ``bits``/``group_size`` method)
+stores the modules it quantizes in fewer bytes, with its ``ignore`` list honoured.
 
 KV cache, per token and device: ``2 x layers x KV heads on the device x head_dim`` elements, the
 KV heads split over tensor parallel ranks (replicated where there are fewer heads than ranks);
 MLA (DeepSeek-V2/V3, Kimi-K2) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per
 layer, which vLLM's MLA backends keep whole on every rank (it is not split over heads).
+
+Layers differ in what they cache (``layer_types``, transformers' names): ``full_attention`` every
+token; ``sliding_attention`` (gpt-oss, Gemma 2/3, Mistral) and ``chunked_attention`` (Llama 4) the
+``sliding_window`` / ``attention_chunk_size`` tokens behind the position, plus what vLLM has in
+flight (it frees behind the window only as tokens settle, and reserves per request
+``window - 1 + max_num_batched_tokens x concurrent batches``, at most the sequence: with
+draftflow's token budgets above its contexts, the whole sequence); ``linear_attention``
+(Qwen3-Next's Gated DeltaNet) a fixed state per sequence. ``kv_bytes_per_token`` counts windowed
+layers as full; ``kv_bytes_per_sequence`` is one sequence's need, its windows bounded where the
+tokens in flight are given.
+
+A config.json that leaves keys to its transformers config class (Gemma 3's ``vocab_size``, its
+sliding pattern, Llama 4's chunked layers) is completed from that class where transformers is
+installed (imported only then); an SSM hybrid or an MoE key not known here raises, naming the key,
+instead of giving a wrong number.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -139,6 +156,17 @@ class TargetShape:
     multimodal: bool
     # The longest context vLLM accepts for it (None: stretched by a rope scaling, not known here).
     max_position_embeddings: int | None
+    # Layers by what they cache (layer_types): every token, at most attention_window tokens of a
+    # sequence (sliding or chunked), or a fixed state of linear_state_elements per sequence.
+    full_attention_layers: int = -1
+    windowed_layers: int = 0
+    attention_window: int | None = None
+    linear_attention_layers: int = 0
+    linear_state_elements: int = 0
+
+    def __post_init__(self) -> None:
+        if self.full_attention_layers < 0:  # built without layer kinds: every layer full
+            object.__setattr__(self, "full_attention_layers", self.num_layers)
 
     def weight_bytes(self, dtype: str) -> int:
         """Bytes of the weights an engine in ``dtype`` loads (quantized modules as stored)."""
@@ -150,14 +178,55 @@ class TargetShape:
     def kv_heads_per_device(self, tensor_parallel_size: int) -> int:
         return max(1, self.num_kv_heads // tensor_parallel_size)
 
-    def kv_bytes_per_token(self, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
-        """KV-cache bytes one token takes on each device of a ``tensor_parallel_size`` engine."""
+    def _layer_token_elements(self, tensor_parallel_size: int) -> int:
+        """KV elements one token takes in one attention layer on one device."""
         if self.mla_latent is not None:
-            elements = self.num_layers * self.mla_latent
-        else:
-            heads = self.kv_heads_per_device(tensor_parallel_size)
-            elements = 2 * self.num_layers * heads * self.head_dim
-        return elements * dtype_bytes(kv_dtype)
+            return self.mla_latent
+        return 2 * self.kv_heads_per_device(tensor_parallel_size) * self.head_dim
+
+    def kv_bytes_per_token(
+        self,
+        kv_dtype: str,
+        tensor_parallel_size: int = 1,
+        context: int | None = None,
+        in_flight_tokens: int | None = None,
+    ) -> int:
+        """KV-cache bytes one token takes on each device of a ``tensor_parallel_size`` engine.
+
+        Without ``context``: every attention layer, windowed ones counted as full (linear
+        attention's states are per sequence, not per token). With ``context``: the mean over one
+        ``context``-token sequence (``kv_bytes_per_sequence`` / ``context``)."""
+        if context is not None:
+            sequence = self.kv_bytes_per_sequence(
+                kv_dtype, context, tensor_parallel_size, in_flight_tokens
+            )
+            return math.ceil(sequence / context)
+        layers = self.full_attention_layers + self.windowed_layers
+        return layers * self._layer_token_elements(tensor_parallel_size) * dtype_bytes(kv_dtype)
+
+    def kv_bytes_per_sequence(
+        self,
+        kv_dtype: str,
+        tokens: int,
+        tensor_parallel_size: int = 1,
+        in_flight_tokens: int | None = None,
+    ) -> int:
+        """KV-cache bytes one ``tokens``-long sequence takes on each device: full layers hold
+        every token, linear layers their state, windowed layers what vLLM reserves for a
+        request, ``window - 1 + in_flight_tokens`` (vLLM's max_num_batched_tokens x concurrent
+        batches) at most ``tokens``; every token where ``in_flight_tokens`` is not given."""
+        windowed = tokens
+        if self.attention_window and in_flight_tokens is not None:
+            windowed = min(tokens, self.attention_window - 1 + in_flight_tokens)
+        per_layer_token = self._layer_token_elements(tensor_parallel_size) * dtype_bytes(kv_dtype)
+        attention = per_layer_token * (
+            self.full_attention_layers * tokens + self.windowed_layers * windowed
+        )
+        # vLLM keeps linear-attention states in the model's dtype (16 bits or more), not fp8;
+        # their heads split over the tensor parallel ranks.
+        state = math.ceil(self.linear_state_elements / tensor_parallel_size)
+        states = self.linear_attention_layers * state * max(2, dtype_bytes(kv_dtype))
+        return attention + states
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -170,6 +239,156 @@ def _get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
         if config.get(key) is not None:
             return config[key]
     return default
+
+
+# What every decoder's config.json (or its transformers config class) gives.
+REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+# Keys whose layers differ in what they cache, where config.json may leave layer_types to the
+# transformers config class (Qwen3-Next, Llama 4, Gemma 3).
+_LAYER_PATTERN_KEYS = ("full_attention_interval", "attention_chunk_size", "linear_num_value_heads")
+# State-space hybrids (Jamba, Nemotron-H, Falcon-H1, Zamba): their mamba layers are not
+# estimated here.
+_SSM_KEYS = (
+    "layers_block_type",
+    "hybrid_override_pattern",
+    "attn_layer_period",
+    "mamba_d_state",
+    "ssm_state_size",
+    "mamba_d_ssm",
+)
+FULL, SLIDING, CHUNKED, LINEAR = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "linear_attention",
+)
+LAYER_KINDS = (FULL, SLIDING, CHUNKED, LINEAR)
+
+
+def _has_layer_pattern(text: Mapping[str, Any]) -> bool:
+    """Whether the layers may differ in attention without config.json listing them."""
+    if text.get("layer_types"):
+        return False
+    sliding = text.get("sliding_window") and text.get("use_sliding_window") is not False
+    return bool(sliding) or any(text.get(key) for key in _LAYER_PATTERN_KEYS)
+
+
+def _class_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys transformers' config class of ``text``'s model_type fills in (defaults and
+    derived ones such as layer_types); {} without transformers or for a type it lacks."""
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return {}
+    model_type = str(text.get("model_type"))
+    if model_type not in CONFIG_MAPPING:
+        return {}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its rope validation warns about released configs
+    try:
+        return CONFIG_MAPPING[model_type](**text).to_dict()
+    except (TypeError, ValueError, KeyError):
+        return {}
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def complete_text_config(text: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``text`` with the keys its transformers config class adds where config.json leaves out a
+    required key or the per-layer attention pattern (config.json's own values win)."""
+    if all(key in text for key in REQUIRED_KEYS) and not _has_layer_pattern(text):
+        return text
+    return {**_class_defaults(text), **text}
+
+
+def layer_kinds(text: Mapping[str, Any]) -> tuple[str, ...]:
+    """What each layer caches (``layer_types``, else the pattern keys that imply it)."""
+    count = int(text["num_hidden_layers"])
+    for key in _SSM_KEYS:
+        if text.get(key):
+            raise ValueError(
+                f"config.json {key}: a state-space (mamba) hybrid, whose layers' weights and "
+                "cache are not estimated here"
+            )
+    given = text.get("layer_types")
+    if given:
+        kinds = tuple(str(kind) for kind in given)
+        unknown = sorted(set(kinds) - set(LAYER_KINDS))
+        if len(kinds) != count or unknown:
+            raise ValueError(
+                f"config.json layer_types: {len(kinds)} entries for num_hidden_layers {count}, "
+                f"kinds {unknown or 'known'} (known: {', '.join(LAYER_KINDS)})"
+            )
+        return kinds
+    if text.get("full_attention_interval"):  # Qwen3-Next: linear, linear, linear, full
+        every = int(text["full_attention_interval"])
+        return tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(count))
+    if text.get("attention_chunk_size"):  # Llama 4: RoPE layers chunked, every 4th NoPE full
+        rope = text.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(count)]
+        return tuple(CHUNKED if rope[i] else FULL for i in range(count))
+    if text.get("sliding_window") and text.get("use_sliding_window") is not False:
+        pattern = int(_get(text, "sliding_window_pattern", "_sliding_window_pattern", default=0))
+        if pattern:  # Gemma: pattern - 1 sliding layers, then a full one
+            return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(count))
+        return (SLIDING,) * count  # Mistral: every layer
+    return (FULL,) * count
+
+
+def _attention_window(text: Mapping[str, Any], kinds: tuple[str, ...]) -> int | None:
+    if SLIDING in kinds and CHUNKED in kinds:
+        raise ValueError("config.json layer_types: sliding and chunked layers together")
+    key = "sliding_window" if SLIDING in kinds else "attention_chunk_size"
+    if SLIDING not in kinds and CHUNKED not in kinds:
+        return None
+    if not text.get(key):
+        raise ValueError(f"config.json layer_types has windowed layers but no {key}")
+    return int(text[key])
+
+
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): the keys its linear-attention layers are sized by.
+_LINEAR_KEYS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def _linear_dims(text: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+    missing = [key for key in _LINEAR_KEYS if text.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"config.json layer_types has linear_attention layers without {missing}: only "
+            "Gated DeltaNet (Qwen3-Next) linear attention is estimated here"
+        )
+    key_heads, value_heads, key_dim, value_dim, kernel = (int(text[k]) for k in _LINEAR_KEYS)
+    return key_heads, value_heads, key_dim, value_dim, kernel
+
+
+def linear_state_elements(text: Mapping[str, Any]) -> int:
+    """One linear-attention layer's state per sequence: the causal conv's last kernel - 1 inputs
+    (q, k and v) and the recurrent state (key_dim x value_dim per value head)."""
+    key_heads, value_heads, key_dim, value_dim, kernel = _linear_dims(text)
+    conv = (2 * key_heads * key_dim + value_heads * value_dim) * (kernel - 1)
+    return conv + value_heads * key_dim * value_dim
+
+
+def _linear_attention_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
+    hidden = int(text["hidden_size"])
+    key_heads, value_heads, key_dim, value_dim, kernel = _linear_dims(text)
+    keys, values = key_heads * key_dim, value_heads * value_dim
+    prefix = f"model.layers.{layer}.linear_attn"
+    return [
+        (f"{prefix}.in_proj_qkvz", hidden * (2 * keys + 2 * values)),
+        (f"{prefix}.in_proj_ba", hidden * 2 * value_heads),
+        (f"{prefix}.conv1d", (2 * keys + values) * kernel),
+        (f"{prefix}.dt_bias", value_heads),
+        (f"{prefix}.A_log", value_heads),
+        (f"{prefix}.norm", value_dim),
+        (f"{prefix}.out_proj", values * hidden),
+    ]
 
 
 def _attention_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
@@ -199,14 +418,16 @@ def _attention_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, i
         ]
     kv_heads = int(_get(text, "num_key_value_heads", default=heads))
     head_dim = int(_get(text, "head_dim", default=hidden // heads))
-    # Qwen2 has q/k/v biases without saying so in its config.
-    bias = bool(text.get("attention_bias")) or text.get("model_type") in ("qwen2", "qwen2_moe")
+    # Qwen2 has q/k/v biases without saying so in its config; attention_bias adds o_proj's too.
+    qwen2 = text.get("model_type") in ("qwen2", "qwen2_moe")
+    bias = bool(text.get("attention_bias")) or qwen2
+    out_bias = hidden if text.get("attention_bias") else 0
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     return [
         (f"{prefix}.q_proj", hidden * q_out + (q_out if bias else 0)),
         (f"{prefix}.k_proj", hidden * kv_out + (kv_out if bias else 0)),
         (f"{prefix}.v_proj", hidden * kv_out + (kv_out if bias else 0)),
-        (f"{prefix}.o_proj", q_out * hidden),
+        (f"{prefix}.o_proj", q_out * hidden + out_bias),
     ]
 
 
@@ -218,11 +439,48 @@ def _gated_mlp(prefix: str, hidden: int, intermediate: int) -> list[tuple[str, i
     ]
 
 
+# Keys naming experts that _mlp_modules reads or that do not change the weights (top-k).
+_KNOWN_EXPERT_KEYS = frozenset(
+    {
+        "n_routed_experts",
+        "num_experts",
+        "num_local_experts",
+        "n_shared_experts",
+        "num_shared_experts",
+        "num_experts_per_tok",
+        "experts_per_token",
+        "shared_expert_intermediate_size",
+    }
+)
+
+
+def check_expert_keys(text: Mapping[str, Any]) -> None:
+    """Raise on an MoE key not read here: its experts would be left out of the weights."""
+    for key, value in text.items():
+        if "expert" not in key or key in _KNOWN_EXPERT_KEYS:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise ValueError(
+                f"config.json {key} {value}: an MoE layout not known here (known: "
+                f"{', '.join(sorted(_KNOWN_EXPERT_KEYS))}), so its weights cannot be estimated"
+            )
+
+
+def _is_moe_layer(text: Mapping[str, Any], layer: int) -> bool:
+    """Qwen-MoE's decoder_sparse_step and mlp_only_layers, Llama 4's moe_layers or
+    interleave_moe_layer_step (every step-th layer, from the step - 1-th)."""
+    if text.get("moe_layers") is not None:
+        return layer in text["moe_layers"]
+    step = int(_get(text, "interleave_moe_layer_step", "decoder_sparse_step", default=1))
+    return layer not in (text.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
 def _mlp_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
     hidden = int(text["hidden_size"])
-    dense = int(text["intermediate_size"])
+    # Llama 4: intermediate_size is an expert's, intermediate_size_mlp the dense layers'.
+    dense = int(_get(text, "intermediate_size_mlp", "intermediate_size"))
     prefix = f"model.layers.{layer}.mlp"
-    if text.get("n_routed_experts"):  # DeepSeek-V2/V3, Kimi-K2
+    if text.get("n_routed_experts"):  # DeepSeek-V2/V3, Kimi-K2, GLM-4.5
         first_dense = int(text.get("first_k_dense_replace") or 0)
         frequency = int(text.get("moe_layer_freq") or 1)
         if layer < first_dense or layer % frequency:
@@ -237,16 +495,20 @@ def _mlp_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
         bias = experts if text.get("topk_method") == "noaux_tc" else 0
         return [*modules, (f"{prefix}.gate", experts * hidden + bias)]
     experts = int(_get(text, "num_experts", "num_local_experts", default=0))
-    if experts:  # Qwen-MoE, Mixtral
-        step = int(text.get("decoder_sparse_step") or 1)
-        if layer in (text.get("mlp_only_layers") or []) or (layer + 1) % step:
+    if experts:  # Qwen-MoE, Mixtral, gpt-oss, Llama 4
+        if not _is_moe_layer(text, layer):
             return _gated_mlp(prefix, hidden, dense)
-        expert_size = int(_get(text, "moe_intermediate_size", default=dense))
+        expert_size = int(_get(text, "moe_intermediate_size", "intermediate_size"))
         modules = _expert_modules(prefix, experts, hidden, expert_size)
         shared = int(text.get("shared_expert_intermediate_size") or 0)
+        shared_count = int(_get(text, "n_shared_experts", "num_shared_experts", default=0))
+        if text.get("model_type") == "llama4_text":  # one shared expert, no key says so
+            shared_count = max(shared_count, 1)
+        shared = shared or shared_count * expert_size
         if shared:
             modules += _gated_mlp(f"{prefix}.shared_expert", hidden, shared)
-            modules.append((f"{prefix}.shared_expert_gate", hidden))
+            if text.get("shared_expert_intermediate_size"):  # Qwen's sigmoid gate on it
+                modules.append((f"{prefix}.shared_expert_gate", hidden))
         return [*modules, (f"{prefix}.gate", experts * hidden)]
     return _gated_mlp(prefix, hidden, dense)
 
@@ -265,9 +527,14 @@ def language_model_modules(text: Mapping[str, Any], tied: bool) -> list[tuple[st
     """(module name, parameters) of the language model, HF names (``model.layers.N....``)."""
     hidden = int(text["hidden_size"])
     vocab = int(text["vocab_size"])
+    check_expert_keys(text)
+    kinds = layer_kinds(text)
     modules = [("model.embed_tokens", vocab * hidden)]
-    for layer in range(int(text["num_hidden_layers"])):
-        modules += _attention_modules(text, layer)
+    for layer, kind in enumerate(kinds):
+        if kind == LINEAR:
+            modules += _linear_attention_modules(text, layer)
+        else:
+            modules += _attention_modules(text, layer)
         modules += _mlp_modules(text, layer)
         modules.append((f"model.layers.{layer}.input_layernorm", hidden))
         modules.append((f"model.layers.{layer}.post_attention_layernorm", hidden))
@@ -277,21 +544,30 @@ def language_model_modules(text: Mapping[str, Any], tied: bool) -> list[tuple[st
     return modules
 
 
-# Modules no quantization touches: embeddings, norms, and MoE routers (vLLM builds them unquantized).
-_NOT_LINEAR = re.compile(r"(embed_tokens|norm|layernorm|\.gate)$")
+# Modules no quantization touches: embeddings, norms, MoE routers (vLLM builds them unquantized)
+# and the small parameters of linear attention.
+_NOT_LINEAR = re.compile(r"(embed_tokens|norm|layernorm|\.gate|conv1d|dt_bias|A_log)$")
+
+
+def _tied(config: Mapping[str, Any], text: Mapping[str, Any], completed: Mapping[str, Any]) -> bool:
+    """tie_word_embeddings: the language model's, the wrapper's, then its config class's."""
+    for source in (text, config, completed):
+        if source.get("tie_word_embeddings") is not None:
+            return bool(source["tie_word_embeddings"])
+    return False
 
 
 def target_shape(config: Mapping[str, Any]) -> TargetShape:
     """The shape of the target whose config.json is ``config``."""
-    text = text_config(config)
-    missing = [
-        key
-        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
-        if key not in text
-    ]
+    given = text_config(config)
+    text = complete_text_config(given)
+    missing = [key for key in REQUIRED_KEYS if key not in text]
     if missing:
-        raise ValueError(f"config.json has no {missing}: not a decoder's config")
-    tied = bool(_get(text, "tie_word_embeddings", default=config.get("tie_word_embeddings", False)))
+        raise ValueError(
+            f"config.json has no {missing} (model_type {given.get('model_type')!r}; transformers "
+            "does not fill them in): not a decoder's config"
+        )
+    tied = _tied(config, given, text)
     quantization = read_quantization(text) or read_quantization(config)
     modules = language_model_modules(text, tied)
     parameters = sum(size for _, size in modules)
@@ -309,6 +585,7 @@ def target_shape(config: Mapping[str, Any]) -> TargetShape:
         if text.get("kv_lora_rank")
         else None
     )
+    kinds = layer_kinds(text)
     return TargetShape(
         model_type=str(config.get("model_type") or text.get("model_type") or "unknown"),
         num_layers=int(text["num_hidden_layers"]),
@@ -324,6 +601,11 @@ def target_shape(config: Mapping[str, Any]) -> TargetShape:
         quantization=quantization,
         multimodal=any(key in config for key in ("vision_config", "audio_config")),
         max_position_embeddings=_context_limit(text),
+        full_attention_layers=kinds.count(FULL),
+        windowed_layers=kinds.count(SLIDING) + kinds.count(CHUNKED),
+        attention_window=_attention_window(text, kinds),
+        linear_attention_layers=kinds.count(LINEAR),
+        linear_state_elements=linear_state_elements(text) if LINEAR in kinds else 0,
     )
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.io import atomic_write_json, sha256_file, staged_dir
+from draftflow.plan.target_shape import complete_text_config
 from draftflow.resources import resolve_path
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,9 @@ def _prepare_in(
     if chat_template:
         _replace_chat_template(staging, resolve_path(chat_template))
     config = json.loads((staging / "config.json").read_text())
-    text = config.get("text_config") or config  # multimodal wrappers nest the text model's
+    # Multimodal wrappers nest the text model's settings, and some leave keys to their
+    # transformers config class (Gemma 3's text_config has no vocab_size).
+    text = complete_text_config(config.get("text_config") or config)
     info = {
         "source": source,
         "origin": origin,

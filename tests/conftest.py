@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Session-wide fixtures of the streamed-mode tests (tests/test_stream.py, tests/test_slurm.py).
+from stream_support import stream_stored, stream_upstream  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DRAFTFLOW_TEST_CACHE", REPO / ".test-cache"))
 

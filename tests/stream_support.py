@@ -1,6 +1,8 @@
 """The stored and the streamed mode on the tiny workflow, side by side (tests/test_stream.py,
-perf/streamed_vs_stored.py): one upstream run (data, vocab, val capture) cloned into a stored
-and a streamed copy, with the bytes under results/ sampled while a copy runs."""
+tests/test_slurm.py, perf/streamed_vs_stored.py): one upstream run (data, vocab, val capture)
+cloned into a stored and a streamed copy, with the bytes under results/ sampled while a copy runs.
+The fixtures are session-wide (tests/conftest.py registers them): both test modules clone the
+same upstream run and compare with the same stored draft."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from workflow_support import merge, read_config, tiny_config, write_config
+import pytest
+from workflow_support import (
+    clone_workdir,
+    merge,
+    prepare_tiny_workdir,
+    read_config,
+    run_snakemake,
+    tiny_config,
+    write_config,
+)
 
 # Two train shards, two epochs: four links, so a window of one keeps half the store at most.
 STREAM_TEST = {
@@ -122,3 +133,21 @@ def benchmark_seconds(workdir: Path, pattern: str) -> float:
 
 def largest_store(workdir: Path, split: str = "train") -> int:
     return max(tree_bytes(d) for d in (workdir / "results" / "extract" / split).iterdir())
+
+
+@pytest.fixture(scope="session")
+def stream_upstream(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny workflow (hf capture backend: no engine start per link) up to the vocabulary
+    and the val capture, the part both modes share. Tests clone it, never change it."""
+    workdir = prepare_tiny_workdir(tmp_path_factory.mktemp("stream") / "upstream", smollm2_dir)
+    write_config(workdir, stream_test_config(backend="hf"))
+    run_snakemake(workdir, "--cores", "2", *UPSTREAM_TARGETS, timeout=1200)
+    return workdir
+
+
+@pytest.fixture(scope="session")
+def stream_stored(stream_upstream: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stored mode's draft from the upstream run: what every streamed run must equal."""
+    workdir = clone_workdir(stream_upstream, tmp_path_factory.mktemp("stream") / "stored")
+    run_snakemake(workdir, "--cores", "2", DRAFT, timeout=1200)
+    return workdir

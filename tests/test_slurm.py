@@ -2,24 +2,40 @@
 
 Jobs go through the real ``snakemake-executor-plugin-slurm`` and ``sbatch``; the tests read
 SLURM's own records (the job completion log and ``scontrol show job``) to prove it, and check
-that the outputs equal those of a local run: a small synthetic workflow with GPU jobs, and
-draftflow itself on tests/configs/tiny.yaml up to the first extract job. Without root or the SLURM packages the tests skip
-locally; in CI (``CI=true``), where .ci/slurm/install.sh has run, they fail instead.
+that the outputs equal those of a local run: a small synthetic workflow with GPU jobs,
+draftflow itself on tests/configs/tiny.yaml up to the first extract job, and the streamed mode's
+chain of links (one job per capture and per training, one link killed and the chain rerun).
+Without root or the SLURM packages the tests skip locally; in CI (``CI=true``), where
+.ci/slurm/install.sh has run, they fail instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import textwrap
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
-from workflow_support import REPO, SNAKEMAKE, prepare_tiny_workdir, run_snakemake, snakemake_env
+from stream_support import DRAFT, set_mode, sha256, untimed_metrics
+from workflow_support import (
+    REPO,
+    SNAKEMAKE,
+    clone_workdir,
+    prepare_tiny_workdir,
+    run_snakemake,
+    snakemake_command,
+    snakemake_env,
+)
 
 CI_SLURM = REPO / ".ci" / "slurm"
 STATE = Path(os.environ.get("DRAFTFLOW_SLURM_STATE", "/tmp/draftflow-slurm"))
@@ -281,3 +297,212 @@ def test_draftflow_runs_on_slurm_like_locally(
         local, cluster = (root / "results" / "shard" / name for root in (tiny_pipeline, workdir))
         assert cluster.read_bytes() == local.read_bytes(), name
     _assert_same_capture(tiny_pipeline / DRAFTFLOW_TARGET, workdir / DRAFTFLOW_TARGET)
+
+
+# ---------------------------------------------------------------- the streamed chain (issue 41)
+# The streamed tiny workflow (tests/stream_support.py: two train shards, two epochs, four links)
+# from the shared upstream run, on the cluster: every link's capture and training a job of its
+# own, link 2's training killed with SIGKILL mid-run, then the rerun. Window 3 makes three
+# captures ready at once at the start, so `--resources gpu=2` is what keeps two GPUs in use.
+STREAM_WINDOW = 3
+STREAM_GPUS = 2
+KILLED_LINK = 2
+STREAM_RULES = ("extract_stream", "train_link")
+
+
+def _gpu_profile(workdir: Path) -> Path:
+    """profiles/slurm with `gpu: 1` for every link job: what a GPU config gives them
+    (engine.device: gpu with tensor_parallel_size 1, resources.train_gpus: 1), which the CPU
+    test config cannot set; the jobs' GPU lease keeps SLURM's (fake) device and runs on the CPU."""
+    import yaml
+
+    profile = yaml.safe_load((workdir / "profiles" / "slurm" / "config.yaml").read_text())
+    for rule in STREAM_RULES:
+        profile["set-resources"][rule]["gpu"] = 1
+    path = workdir / "profiles" / "slurm-gpu"
+    path.mkdir()
+    (path / "config.yaml").write_text(yaml.safe_dump(profile))
+    return path
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One job of SLURM's completion log, with the rule the executor plugin named it after."""
+
+    job_id: str
+    state: str
+    rule: str
+    link: str | None
+    partition: str
+    start: datetime
+    end: datetime
+    gpus: int
+
+
+def _slurm_jobs(workdir: Path, known_records: int) -> list[SlurmJob]:
+    jobs = []
+    for record in _records_of(workdir, known_records):
+        fields = dict(re.findall(r"(\w+)=(\S*)", record))
+        details = subprocess.run(
+            ["scontrol", "show", "job", fields["JobId"]], capture_output=True, text=True, check=True
+        ).stdout
+        comment = re.search(r"Comment=rule_(\w+?)(?:_wildcards_(\d+))?\s", details)
+        gpus = re.search(r"gres[/:]gpu[=:](\d+)", details)  # TresPerJob=gres:gpu:1
+        jobs.append(
+            SlurmJob(
+                job_id=fields["JobId"],
+                state=fields["JobState"],
+                rule=comment.group(1),
+                link=comment.group(2),
+                partition=fields["Partition"],
+                start=datetime.fromisoformat(fields["StartTime"]),
+                end=datetime.fromisoformat(fields["EndTime"]),
+                gpus=int(gpus.group(1)) if gpus else 0,
+            )
+        )
+    return jobs
+
+
+def _running_job(workdir: Path, comment: str) -> str | None:
+    """The id of this workdir's running SLURM job with ``comment``, if any."""
+    queue = subprocess.run(
+        ["squeue", "-h", "-t", "RUNNING", "-o", "%i|%k|%Z"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for line in queue.splitlines():
+        job_id, job_comment, job_workdir = line.split("|")
+        if job_comment == comment and Path(job_workdir) == workdir:
+            return job_id
+    return None
+
+
+def _job_process(job_id: str, script: str) -> int | None:
+    """The process of SLURM job ``job_id`` that runs the rule script ``script`` (the job step's
+    Snakemake runs it as a copy named after it), found by the job id SLURM put in its environment."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if script in command and f"SLURM_JOB_ID={job_id}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def _kill_link_when(workdir: Path, log: Path, text: str, process: subprocess.Popen) -> str:
+    """SIGKILL the trainer of link KILLED_LINK's SLURM job once its log shows ``text`` (as a
+    node's OOM killer would: no handler runs, no checkpoint is written); returns the job id."""
+    comment = f"rule_train_link_wildcards_{KILLED_LINK:05d}"
+    while process.poll() is None:
+        if log.is_file() and text in log.read_text():
+            job_id = _running_job(workdir, comment)
+            pid = _job_process(job_id, "train_link.py") if job_id else None
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                return job_id
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended before {log} showed {text!r}")
+
+
+def _most_gpus_at_once(jobs: list[SlurmJob]) -> int:
+    """The largest sum of GPUs of jobs running at one time (SLURM's times, whole seconds)."""
+    events = sorted(
+        [(job.start, job.gpus) for job in jobs] + [(job.end, -job.gpus) for job in jobs],
+        key=lambda event: (event[0], event[1]),  # an end before a start of the same second
+    )
+    most = running = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+def test_streamed_chain_runs_link_by_link_on_slurm_and_survives_a_kill(
+    slurm_cluster: Path, stream_upstream: Path, stream_stored: Path, tmp_path: Path
+) -> None:
+    known_records = len(_jobcomp_lines())
+    workdir = clone_workdir(stream_upstream, tmp_path / "streamed")
+    set_mode(workdir, "streamed", window=STREAM_WINDOW)
+    arguments = [
+        DRAFT,  # first: --resources takes every word after it
+        *("--profile", str(_gpu_profile(workdir))),
+        # The plugin checks 3, 16, 39, ... s after a job ended: a lone link job (11-13 s here)
+        # is seen at 16 s, not at 33 s as with 1 s (the check intervals grow by 10 s).
+        *("--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "3"),
+        *("--resources", f"gpu={STREAM_GPUS}"),
+    ]
+    env = snakemake_env(workdir, DRAFTFLOW_GPU_LOCK_DIR=str(tmp_path / "locks"))
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [*snakemake_command(), *arguments],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killed_log = workdir / f"logs/stream/link-{KILLED_LINK:05d}/train.log"
+    killed = _kill_link_when(workdir, killed_log, "training to step", process)
+    first, _ = process.communicate(timeout=600)
+    first_seconds = time.monotonic() - started
+    assert process.returncode != 0, first[-3000:]
+    results = workdir / "results"
+    assert (results / f"stream/link-{KILLED_LINK - 1:05d}/done.json").is_file()
+    assert not (results / f"stream/link-{KILLED_LINK:05d}/done.json").exists()
+    first_records = len(_jobcomp_lines())
+    rerun = run_snakemake(workdir, *arguments, timeout=600, env=env)
+    print(
+        f"streamed chain on SLURM: killed run {first_seconds:.0f} s, "
+        f"rerun {time.monotonic() - started - first_seconds:.0f} s"
+    )
+
+    # SLURM's records: every link's capture and training a job of its own on the GPU
+    # partition with the GPU it asked for; the killed job is there as not completed.
+    jobs = _slurm_jobs(workdir, known_records)
+    (killed_job,) = [job for job in jobs if job.job_id == killed]
+    assert killed_job.link == f"{KILLED_LINK:05d}" and killed_job.state == "FAILED", jobs
+    done = [job for job in jobs if job is not killed_job]
+    assert all(job.state == "COMPLETED" for job in done), jobs
+    links = [f"{index:05d}" for index in range(4)]
+    for rule in STREAM_RULES:
+        ran = [job for job in done if job.rule == rule]
+        assert sorted(job.link for job in ran) == links, (rule, jobs)
+        assert all(job.partition == "gpu" and job.gpus == 1 for job in ran), (rule, jobs)
+    assert sorted(job.rule for job in done if job.rule not in STREAM_RULES) == [
+        "stream_plan",
+        "train_export",
+    ]
+
+    # The rerun ran the killed link and the rest of the chain, never a finished link again,
+    # and the killed link resumed from the checkpoint the last finished link ended with.
+    rerun_jobs = _slurm_jobs(workdir, first_records)
+    assert {(job.rule, job.link) for job in rerun_jobs} == {
+        ("train_link", f"{KILLED_LINK:05d}"),
+        ("train_link", f"{KILLED_LINK + 1:05d}"),
+        ("train_export", None),
+    }, rerun_jobs  # the captures of links 2 and 3 were kept (temp, still needed)
+    output = rerun.stdout + rerun.stderr
+    assert all(f"link={link}" not in output for link in links[:KILLED_LINK])
+    last_done = json.loads((results / f"stream/link-{KILLED_LINK - 1:05d}/done.json").read_text())
+    step = f"step-{last_done['end']:08d}"
+    assert f"resumed from results/train/checkpoints/{step}" in killed_log.read_text()
+
+    # --resources gpu=2 split the GPUs: a capture ran beside a training link, and never more than
+    # two GPU jobs at once although three captures were ready at the start.
+    gpu_jobs = [job for job in jobs if job.gpus]
+    assert _most_gpus_at_once(gpu_jobs) == STREAM_GPUS, gpu_jobs
+    captures = [job for job in done if job.rule == "extract_stream"]
+    trains = [job for job in done if job.rule == "train_link"]
+    assert any(c.start < t.end and t.start < c.end for c in captures for t in trains), gpu_jobs
+
+    # The same draft and metrics as the stored mode, bit for bit; no capture left.
+    assert sha256(workdir / DRAFT / "model.safetensors") == sha256(
+        stream_stored / DRAFT / "model.safetensors"
+    )
+    assert untimed_metrics(workdir) == untimed_metrics(stream_stored)
+    assert not list((results / "stream").glob("link-*/capture"))

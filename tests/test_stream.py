@@ -20,7 +20,6 @@ import pytest
 import torch
 from stream_support import (
     DRAFT,
-    UPSTREAM_TARGETS,
     DiskSampler,
     capture_bytes,
     largest_store,
@@ -221,21 +220,7 @@ def test_the_dag_holds_the_window(tmp_path, smollm2_dir, window, keep_first_epoc
 
 
 # ---------------------------------------------------------------- the workflow
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory, smollm2_dir) -> Path:
-    """The tiny workflow (hf capture backend: no engine start per link) up to the vocabulary
-    and the val capture, the part both modes share."""
-    workdir = prepare_tiny_workdir(tmp_path_factory.mktemp("stream") / "upstream", smollm2_dir)
-    write_config(workdir, stream_test_config(backend="hf"))
-    run_snakemake(workdir, "--cores", "2", *UPSTREAM_TARGETS, timeout=1200)
-    return workdir
-
-
-@pytest.fixture(scope="module")
-def stored(upstream, tmp_path_factory) -> Path:
-    workdir = clone_workdir(upstream, tmp_path_factory.mktemp("stream") / "stored")
-    run_snakemake(workdir, "--cores", "2", DRAFT, timeout=1200)
-    return workdir
+# stream_upstream and stream_stored: tests/stream_support.py (session-wide, also for test_slurm.py).
 
 
 def _link_job_pid(workdir: Path) -> int | None:
@@ -267,8 +252,11 @@ def _kill_link_when(workdir: Path, log: Path, text: str, process: subprocess.Pop
 
 
 @pytest.mark.workflow
-def test_streamed_run_gives_the_stored_draft_with_a_window_of_disk(upstream, stored, tmp_path):
-    workdir = clone_workdir(upstream, tmp_path / "streamed")
+def test_streamed_run_gives_the_stored_draft_with_a_window_of_disk(
+    stream_upstream, stream_stored, tmp_path
+):
+    stored = stream_stored
+    workdir = clone_workdir(stream_upstream, tmp_path / "streamed")
     set_mode(workdir, "streamed", window=1)
     results = workdir / "results"
     sampler = DiskSampler(

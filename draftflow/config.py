@@ -101,20 +101,3 @@ def missing_run_keys(config: Mapping[str, Any]) -> list[str]:
     if not (config.get("corpus") or {}).get("sources"):
         missing.append("corpus.sources")
     return missing
-
-
-# Keys of extract: that shape the DAG (rules/common.smk, rules/stream.smk), not a capture job:
-# changing them reruns no stored capture.
-EXTRACT_DAG_KEYS = frozenset({"num_shards", "mode", "window", "keep_first_epoch"})
-
-
-def extract_section(config: Mapping[str, Any]) -> dict[str, Any]:
-    """What an extract job's ``ExtractSettings`` is built from: the ``extract:`` section but
-    for ``EXTRACT_DAG_KEYS``, plus the engine's device and tensor parallel size and the
-    target's ``trust_remote_code``."""
-    return {
-        **{key: value for key, value in config["extract"].items() if key not in EXTRACT_DAG_KEYS},
-        "engine_device": config["engine"]["device"],
-        "tensor_parallel_size": config["engine"]["tensor_parallel_size"],
-        "trust_remote_code": config["target"]["trust_remote_code"],
-    }

@@ -16,6 +16,19 @@ DEVICES = ("gpu", "cpu")
 
 Device = Literal["gpu", "cpu"]
 
+# The keys of the extract: section that its engine takes (engine_settings below reads them);
+# the rest are the capture's own (draftflow.capture.extract.ExtractSettings) or shape the DAG.
+EXTRACT_ENGINE_KEYS = frozenset(
+    {
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "reserved_cpus",
+        "engine_args",
+    }
+)
+
 
 @dataclass(frozen=True)
 class EngineSettings:

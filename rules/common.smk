@@ -2,7 +2,8 @@
 import re
 from pathlib import Path
 
-from draftflow.config import extract_section, validate_config
+from draftflow.capture.section import extract_section
+from draftflow.config import validate_config
 
 # Fills every default from config/schema.yaml; refuses a config without a target or corpus.
 validate_config(config)
@@ -123,8 +124,9 @@ def train_threads():
 
 
 def extract_settings():
-    """Every extract setting a capture job uses (num_shards shapes the DAG, not a job), with the
-    engine's device and tensor parallel size and the target's trust_remote_code."""
+    """Every extract setting a capture job uses (num_shards shapes the DAG, not a job): the
+    capture keys, the extract stage's engine (draftflow.engine_settings, as regenerate's and
+    bench's) and the target's trust_remote_code; changing one reruns the captures."""
     return extract_section(config)
 
 

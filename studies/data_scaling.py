@@ -27,6 +27,7 @@ copied to a GPU node on its own where transfers are size-limited; ``data`` joins
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import shutil
@@ -165,8 +166,8 @@ def _generate(
 def data(args: argparse.Namespace) -> None:
     import torch
 
-    from draftflow.capture.extract import ExtractSettings, run_extract
-    from draftflow.config import extract_section, from_section
+    from draftflow.capture.extract import extract_settings, run_extract
+    from draftflow.config import from_section
     from draftflow.data.shard import shard_splits
     from draftflow.data.split import split_samples
     from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
@@ -238,15 +239,12 @@ def data(args: argparse.Namespace) -> None:
     timings["tokenize_split_shard"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    extract = {
-        **extract_section(config),
-        "backend": "hf",
-        "engine_device": "gpu" if device == "cuda" else "cpu",
-    }
-    extract_settings = from_section(ExtractSettings, extract, "extract")
+    base = extract_settings(config)
+    engine = dataclasses.replace(base.engine, device="gpu" if device == "cuda" else "cpu")
+    extract = dataclasses.replace(base, backend="hf", engine=engine)
     for split_name, paths in shards.items():
         for path in paths:
-            run_extract(path, target, work / "extract" / split_name / path.stem, extract_settings)
+            run_extract(path, target, work / "extract" / split_name / path.stem, extract)
     timings["extract"] = time.perf_counter() - mark
     result = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

@@ -115,21 +115,20 @@ def compare_stores(bf16_dir: Path, fp8_dir: Path, layer_ids: list[int]) -> dict:
 
 def phase_extract(args: argparse.Namespace) -> dict:
     from draftflow.capture.backends import make_backend
-    from draftflow.capture.extract import ExtractSettings, run_extract
+    from draftflow.capture.extract import extract_settings, run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_extract
-    from draftflow.config import extract_section, from_section
     from draftflow.data.samples import read_samples
     from draftflow.io import read_json
 
     config = load_config()
-    base = from_section(ExtractSettings, extract_section(config), "extract")
+    base = extract_settings(config)
     layers = capture_layers(TARGET, base.aux_layers)
     shards = shard_inputs()
     longest = max(
         max(map(len, read_samples(p).column("input_ids").to_pylist())) for p in shards.values()
     )
-    backend = make_backend("hooks", TARGET, layers.layer_ids, base.engine(longest + 1))
+    backend = make_backend("hooks", TARGET, layers.layer_ids, base.capture_engine(longest + 1))
     runs = []
     try:
         for split, shard in shards.items():

@@ -12,8 +12,9 @@ import os
 from typing import Any
 
 from draftflow.bench.settings import BenchSettings, bench_settings
+from draftflow.capture import extract as capture_extract
 from draftflow.capture.extract import ExtractSettings, VerifySettings
-from draftflow.config import DEMO_CONFIG, extract_section, from_section, load_config
+from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.corpus.regenerate import RegenerateSettings
 from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings
@@ -40,8 +41,9 @@ def demo_config() -> dict[str, Any]:
 
 
 def extract_settings(**changes: Any) -> ExtractSettings:
-    """The demo's extract settings; ``verify`` takes a mapping of VerifySettings changes."""
-    settings = from_section(ExtractSettings, extract_section(_demo_config()), "extract")
+    """The demo's extract settings, built as the extract rules build them; ``verify`` takes a
+    mapping of VerifySettings changes."""
+    settings = capture_extract.extract_settings(_demo_config())
     if "verify" in changes and not isinstance(changes["verify"], VerifySettings):
         changes["verify"] = dataclasses.replace(settings.verify, **changes["verify"])
     return dataclasses.replace(settings, **changes)

@@ -151,13 +151,14 @@ DATA = ("tokenize", "split", "shard", "vocab", *EXTRACT)
 CHANGES = [
     # corpus: ingest's subset ranking
     Change("corpus.seed", "config", "corpus.seed", 2, _rules("ingest"), _rules("ingest", *DATA)),
-    # tokenizer
+    # tokenizer; also the extract engine's context (engine_settings(config, "extract"), in the
+    # extract rule's params)
     Change(
         "tokenize.max_length",
         "config",
         "tokenize.max_length",
         96,
-        _rules("tokenize"),
+        _rules("tokenize", "extract"),
         _rules(*DATA),
     ),
     # tokenize counts train-only token frequencies, so it reads the split settings too

@@ -14,19 +14,14 @@ import pytest
 import yaml
 
 from draftflow.bench.settings import BenchSettings
-from draftflow.capture.extract import ExtractSettings, VerifySettings
-from draftflow.config import (
-    BASE_CONFIG,
-    DEMO_CONFIG,
-    extract_section,
-    from_section,
-    load_config,
-)
+from draftflow.capture.extract import ExtractSettings, VerifySettings, extract_settings
+from draftflow.capture.section import EXTRACT_DAG_KEYS
+from draftflow.config import BASE_CONFIG, DEMO_CONFIG, from_section, load_config
 from draftflow.corpus.ingest import Source
 from draftflow.corpus.regenerate import RegenerateSettings
 from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings
-from draftflow.engine_settings import EngineSettings
+from draftflow.engine_settings import EXTRACT_ENGINE_KEYS, EngineSettings, engine_settings
 from draftflow.report.summary import Bootstrap
 from draftflow.train.settings import TrainSettings
 
@@ -41,11 +36,8 @@ SETTINGS = [
     (
         ExtractSettings,
         "extract",
-        {
-            "trust_remote_code": "target.trust_remote_code",
-            "engine_device": "engine.device",
-            "tensor_parallel_size": "engine.tensor_parallel_size",
-        },
+        # engine: engine_settings(config, "extract"), from engine: and EXTRACT_ENGINE_KEYS.
+        {"trust_remote_code": "target.trust_remote_code", "engine": "engine"},
     ),
     (VerifySettings, "extract.verify", {}),
     (
@@ -170,20 +162,22 @@ def test_every_field_is_a_schema_key(settings, section, elsewhere):
         parent, _, name = key.rpartition(".")
         assert name in schema_node(parent)["properties"] if parent else True, key
     fields = {f.name for f in dataclasses.fields(settings)} - set(elsewhere)
-    # Keys read by the rules rather than by the stage's code.
-    rules_only = {
-        "extract": {"num_shards", "mode", "window", "keep_first_epoch"},
+    # Keys read by the rules rather than by the stage's code, or by the stage's engine
+    # (draftflow.engine_settings).
+    elsewhere_read = {
+        "extract": EXTRACT_DAG_KEYS | EXTRACT_ENGINE_KEYS,
         "corpus.regenerate": {"enabled"},
     }
-    assert keys - rules_only.get(section, set()) == fields
+    assert keys - elsewhere_read.get(section, set()) == fields
 
 
 def test_the_demo_builds_every_settings_class():
     config = load_config(DEMO_CONFIG)
     regenerate = {k: v for k, v in config["corpus"]["regenerate"].items() if k != "enabled"}
-    extract = from_section(ExtractSettings, extract_section(config), "extract")
+    extract = extract_settings(config)
     assert extract.verify == VerifySettings(**config["extract"]["verify"])
-    assert (extract.engine_device, extract.tensor_parallel_size) == ("cpu", 1)
+    assert extract.engine == engine_settings(config, "extract")
+    assert (extract.engine.device, extract.engine.tensor_parallel_size) == ("cpu", 1)
     from_section(TrainSettings, config["train"], "train")
     from_section(RegenerateSettings, regenerate, "corpus.regenerate")
     for source in config["corpus"]["sources"]:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -30,9 +32,12 @@ from draftflow.capture.backends import (
 )
 from draftflow.capture.layers import capture_layers
 from draftflow.capture.plan import check_free_space, plan_store
+from draftflow.capture.section import extract_section
 from draftflow.capture.store import CaptureWriter, update_manifest
 from draftflow.capture.verify import CaptureVerificationError, verify_shard
+from draftflow.config import from_section
 from draftflow.data.samples import read_samples
+from draftflow.engine_settings import EngineSettings as StageEngineSettings
 from draftflow.io import publish_dir, read_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -52,23 +57,14 @@ class VerifySettings:
 
 @dataclass(frozen=True)
 class ExtractSettings:
-    """The ``extract:`` section of the config (num_shards excepted)."""
+    """An extract job's settings (``draftflow.capture.section.extract_section``): the ``extract:``
+    section's capture keys and the extract stage's vLLM engine."""
 
     backend: str
     aux_layers: list[int] | None
-    # From the engine: section: "gpu" or "cpu", and GPUs per engine (the target sharded over them).
-    engine_device: str
-    tensor_parallel_size: int
     # CPU threads of the job (the rule's threads:)
     threads: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    gpu_memory_utilization: float
-    kv_cache_memory_bytes: int | None
-    # CPU build: cores vLLM keeps for its scheduler (None = vLLM's choice).
-    reserved_cpus: int | None
     model_runner: str
-    engine_args: dict
     # Same shard, same bytes (docs/capture.md, "Determinism").
     deterministic: bool
     chunk_samples: int
@@ -79,30 +75,40 @@ class ExtractSettings:
     # from the target: section
     trust_remote_code: bool
     verify: VerifySettings
+    # engine_settings(config, "extract"): devices, batch, memory and engine_args, the same
+    # path as regenerate's and bench's engines.
+    engine: StageEngineSettings
 
     @property
     def device(self) -> str:
         """The torch device of the hf backend and the verification reference."""
-        return "cuda" if self.engine_device == "gpu" else "cpu"
+        return "cuda" if self.engine.device == "gpu" else "cpu"
 
-    def engine(self, max_model_len: int) -> EngineSettings:
-        """The capture engine's settings for samples of up to ``max_model_len`` - 1 tokens."""
+    def capture_engine(self, max_model_len: int) -> EngineSettings:
+        """The capture backend's settings for samples of up to ``max_model_len`` - 1 tokens."""
+        engine = self.engine
         return EngineSettings(
             max_model_len=max_model_len,
-            tp_size=self.tensor_parallel_size,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            reserved_cpus=self.reserved_cpus,
+            tp_size=engine.tensor_parallel_size,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+            reserved_cpus=engine.reserved_cpus,
             model_runner=self.model_runner,
-            engine_args=dict(self.engine_args),
+            engine_args=dict(engine.engine_args),
             deterministic=self.deterministic,
             trust_remote_code=self.trust_remote_code,
             hf_dtype=self.hf_dtype,
             device=self.device,
             store_dtype=self.store_dtype,
         )
+
+
+def extract_settings(config: Mapping[str, Any]) -> ExtractSettings:
+    """An extract job's settings from a validated config, as the extract rules build them
+    (their ``params.extract`` is ``extract_section(config)``)."""
+    return from_section(ExtractSettings, extract_section(config), "extract")
 
 
 def model_revision(model_dir: str | os.PathLike[str]) -> str:
@@ -153,7 +159,7 @@ def run_extract(
         "input_sha256": sha256_file(shard_path),
     }
     # One spare position: vLLM wants room for the one token it samples.
-    engine = settings.engine(max((len(ids_) for ids_ in input_ids), default=1) + 1)
+    engine = settings.capture_engine(max((len(ids_) for ids_ in input_ids), default=1) + 1)
     work = partial_dir(out_dir)
     writer = CaptureWriter(
         work,

@@ -138,13 +138,13 @@ def _stage_kwargs(config: Mapping[str, Any], stage: str, settings: EngineSetting
             extra=settings.engine_args,
         )
     if stage == "extract":
-        # scripts/extract.py's settings; the engine's context: the longest sample plus one.
+        # scripts/extract.py's settings (their engine: ``settings``); the engine's context: the
+        # longest sample, at most tokenize.max_length tokens, plus one.
         from draftflow.capture.backends import capture_engine_kwargs
-        from draftflow.capture.extract import ExtractSettings
-        from draftflow.config import extract_section, from_section
+        from draftflow.capture.extract import extract_settings
 
-        extract = from_section(ExtractSettings, extract_section(config), "extract")
-        return capture_engine_kwargs(MODEL_DIR, extract.engine(settings.max_model_len + 1))
+        extract = extract_settings(config)
+        return capture_engine_kwargs(MODEL_DIR, extract.capture_engine(settings.max_model_len + 1))
     # draftflow.bench.run.engine_request's engines.
     from draftflow.bench.engine import engine_kwargs as bench_kwargs
     from draftflow.bench.run import engine_arguments

@@ -6,9 +6,10 @@ tokenize, capture and train on it. Shapes are small, but keep what makes each fa
 
 - ``qwen3``: dense Qwen3 (q/k norms);
 - ``qwen3_moe``: Qwen3-MoE, every layer sparse (4 experts, 2 per token);
-- ``deepseek_v3``: DeepSeek-V3, MLA attention (``kv_lora_rank + qk_rope_head_dim`` = 576, the
-  only latent size vLLM's CPU MLA kernel takes) and MoE after one dense layer, router bias
-  (``topk_method: noaux_tc``);
+- ``deepseek_v3``: DeepSeek-V3, MLA attention with the released head sizes (``kv_lora_rank +
+  qk_rope_head_dim`` = 576, the only latent size vLLM's CPU MLA kernel takes; ``qk_nope_head_dim``
+  and ``v_head_dim`` 128, the only ones vLLM 0.33's MLA prefill takes on Hopper GPUs) and MoE
+  after one dense layer, router bias (``topk_method: noaux_tc``);
 - ``kimi_k25``: the Kimi-K2.5 wrapper (MoonViT vision tower, projector, the DeepSeek-V3 text
   model above), as the released checkpoint names it (``KimiK25ForConditionalGeneration``);
 - ``llava``: a multimodal wrapper (LlavaForConditionalGeneration: CLIP vision tower, projector,
@@ -113,8 +114,8 @@ def family_config(family: str):
             q_lora_rank=64,
             kv_lora_rank=512,
             qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
             n_routed_experts=4,
             num_experts_per_tok=2,
             n_shared_experts=1,

@@ -22,6 +22,7 @@ from draftflow.capture.backends import (
     resolve_backend,
 )
 from draftflow.capture.backends.hooks import match_request_ids
+from draftflow.capture.backends.native import native_model_runner
 from draftflow.capture.extract import partial_dir, run_extract
 from draftflow.capture.layers import capture_layers, default_aux_layers
 from draftflow.capture.store import CaptureReader
@@ -127,13 +128,22 @@ def test_bad_aux_layers_are_named(smollm2_dir):
 def test_resolve_backend_by_vllm_version():
     assert resolve_backend("auto", "0.32.0") == "hooks"
     assert resolve_backend("auto", "0.16.0") == "hooks"
-    assert resolve_backend("auto", "0.33.0") == "native"
+    assert resolve_backend("auto", "0.33.0") == "hooks"
+    assert resolve_backend("auto", "0.34.0") == "native"
     assert resolve_backend("auto") == "hooks"  # the installed 0.32
     assert resolve_backend("hf", "0.32.0") == "hf"
-    with pytest.raises(RuntimeError, match=r"hooks \(>=0\.16, <0\.33\).*native"):
+    with pytest.raises(RuntimeError, match=r"hooks \(>=0\.16, <0\.34\).*native"):
         resolve_backend("auto", "0.10.1")
     with pytest.raises(ValueError, match="allowed are auto, hooks, native, hf"):
         resolve_backend("vllm")
+
+
+def test_native_keeps_vllms_runner_where_the_gpu_lane_ran_it_under_v2():
+    # 0.24 refuses the extractor under Model Runner V2; the 0.33 GPU lane ran it there.
+    assert native_model_runner("default", "0.32.0") == "v1"
+    assert native_model_runner("default", "0.33.0") == "default"
+    assert native_model_runner("v2", "0.24.0") == "v2"  # asked for: vLLM's own error then
+    assert native_model_runner("v1", "0.33.0") == "v1"
 
 
 def test_request_ids_with_and_without_engine_suffix():

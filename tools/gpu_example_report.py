@@ -336,8 +336,10 @@ def engine_memory(
                 "end": window.end.isoformat(timespec="seconds") if window.end else None,
                 "peak_mib": peak,
                 "peak_bytes": peak * MIB if peak is not None else None,
+                "peak_gib": round(peak / 1024, 1) if peak is not None else None,
                 "planned_engine": planned["name"] if planned else None,
                 "planned_bytes": planned_bytes,
+                "planned_gib": round(planned_bytes / 2**30, 1) if planned_bytes else None,
                 "peak_over_planned": round(peak * MIB / planned_bytes, 4)
                 if peak is not None and planned_bytes
                 else None,

@@ -10,6 +10,7 @@ and optionally perf/gpu_capture.py's JSON, and writes one record:
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import re
@@ -17,7 +18,11 @@ import tarfile
 from pathlib import Path
 
 OUTCOME = re.compile(r"^(tests/gpu/\S+::(\w+)(?:\[([^\]]*)\])?) (PASSED|FAILED|SKIPPED|ERROR)")
-VERSIONS = re.compile(r"^(torch|vllm) (\S+)")
+VERSIONS = re.compile(r"^(torch|vllm) (\S+)", re.M)
+# The tests print each comparison as "<label> vs hf fp32: {layer: {mean, p01, min}}".
+AGREEMENT = re.compile(r"^(.+?) vs hf fp32: (\{.*)$", re.M)
+# A failure's section in pytest's report: "____ test_name[params] ____", then "E   ..." lines.
+SECTION = re.compile(r"^_{3,} (\S+) _{3,}$", re.M)
 
 
 def read_logs(archive: Path) -> dict[str, str]:
@@ -27,6 +32,47 @@ def read_logs(archive: Path) -> dict[str, str]:
             for m in tar.getmembers()
             if m.isfile()
         }
+
+
+def first_braces(text: str) -> str:
+    """The first balanced {...} of ``text`` (further values may follow it on the line)."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            return text[: i + 1]
+    return text
+
+
+def agreement(logs: dict[str, str]) -> list[dict]:
+    """Each printed comparison with hf fp32: its label and its lowest layer's mean and p01."""
+    found = []
+    for text in logs.values():
+        for label, stats in AGREEMENT.findall(text):
+            layers = ast.literal_eval(first_braces(stats))
+            found.append(
+                {
+                    "comparison": label.strip(),
+                    "lowest_layer_mean": round(min(v["mean"] for v in layers.values()), 6),
+                    "lowest_layer_p01": round(min(v["p01"] for v in layers.values()), 6),
+                }
+            )
+    return found
+
+
+def failure_reasons(logs: dict[str, str]) -> dict[str, str]:
+    """Each failed test's name (as in its section title) -> the last "E " line of its section."""
+    reasons = {}
+    for text in logs.values():
+        titles = list(SECTION.finditer(text))
+        for i, title in enumerate(titles):
+            end = titles[i + 1].start() if i + 1 < len(titles) else len(text)
+            errors = [
+                ln[1:].strip() for ln in text[title.end() : end].splitlines() if ln.startswith("E ")
+            ]
+            if errors:
+                reasons[title.group(1)] = errors[-1][:600]
+    return reasons
 
 
 def outcome_rows(logs: dict[str, str]) -> list[dict]:
@@ -51,6 +97,11 @@ def outcome_rows(logs: dict[str, str]) -> list[dict]:
                 "backend": backend,
                 "outcome": outcome.lower(),
             }
+    reasons = failure_reasons(logs)
+    for row in rows.values():
+        reason = reasons.get(row["test"].split("::")[-1])
+        if row["outcome"] in ("failed", "error") and reason:
+            row["reason"] = reason
     return sorted(rows.values(), key=lambda r: r["test"])
 
 
@@ -66,7 +117,11 @@ def main() -> None:
     logs: dict[str, str] = {}
     for archive in args.logs:
         logs.update(read_logs(archive))
-    versions = dict(VERSIONS.findall(logs.get("smoke.log", ""), re.M))
+    versions = dict(VERSIONS.findall(logs.get("smoke.log", "")))
+    if args.perf and not versions:  # the smoke test ran in an earlier call: perf names them
+        first = json.loads(args.perf.read_text())
+        first = first[0] if isinstance(first, list) else first.get("results", [{}])[0]
+        versions = {name: first[name] for name in ("torch", "vllm") if name in first}
     rows = outcome_rows(logs)
     record = {
         "device": args.device,
@@ -77,10 +132,12 @@ def main() -> None:
         "failed": sum(r["outcome"] in ("failed", "error") for r in rows),
         "skipped": sum(r["outcome"] == "skipped" for r in rows),
         "tests": rows,
+        "agreement_with_hf": agreement(logs),
     }
     if args.perf:
         perf = json.loads(args.perf.read_text())
-        results = perf.get("results", perf if isinstance(perf, list) else [])
+        # perf/gpu_capture.py writes a list of runs; a record of ours keeps them under "results".
+        results = perf if isinstance(perf, list) else perf.get("results", [])
         record["capture_ratio_to_plain"] = {
             r["mode"]: r.get("ratio_to_plain") for r in results if isinstance(r, dict)
         }

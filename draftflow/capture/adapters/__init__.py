@@ -14,16 +14,16 @@ from draftflow.capture.adapters.v2_runner import V2RunnerAdapter
 
 RUNNER_ADAPTERS = (V1RunnerAdapter, V2RunnerAdapter)
 # vLLM versions the hooks backend supports: 0.16 (first tested) up to the newest release a GPU
-# lane passed on (0.24, envs/gpu-lane.txt), under the V1 runner and Model Runner V2; 0.25 - 0.32
-# rest on the CPU lane (0.32) and tools/vllm_contract.py. 0.33 passes the contract check but its
-# GPU lane (envs/gpu-lane-033.txt) has not run yet, so it stays refused and ``auto`` moves to
-# ``native`` there. Widen only after both pass (docs/capture.md, "A new vLLM release").
-HOOKS_VERSIONS = ">=0.16, <0.33"
+# lane passed on: 0.24 (envs/gpu-lane.txt) and 0.33 (envs/gpu-lane-033.txt,
+# docs/results/gpu-lane-033-2026-12-06.json), under the V1 runner and Model Runner V2; 0.25 - 0.32
+# rest on the CPU lane (0.32) and tools/vllm_contract.py. Widen only after a release's contract
+# check and GPU lane both pass (docs/capture.md, "A new vLLM release").
+HOOKS_VERSIONS = ">=0.16, <0.34"
 HOOKS_MIN = Version("0.16")
 # The GPU lane of a release beyond the gate names it here to test it (tools/gpu_lane_env.sh); only
 # that exact version is let through, with a warning.
 UNTESTED_VLLM_ENV = "DRAFTFLOW_HOOKS_UNTESTED_VLLM"
-HOOKS_MAX_EXCLUSIVE = Version("0.33")
+HOOKS_MAX_EXCLUSIVE = Version("0.34")
 
 
 def hooks_support(vllm_version: str) -> bool:

@@ -8,9 +8,9 @@ CPU build ``draftflow.capture.adapters.native_connector.SyncHiddenStatesConnecto
 the same work synchronously (the stock one needs pinned memory). The connector needs each prompt
 in one forward: chunked prefill is off, so ``max_num_batched_tokens`` is raised to
 ``max_model_len`` where it is lower. vLLM 0.24 runs this speculative method under the V1 model
-runner only (its V2 runner falls back to V1 for it), so ``model_runner: default`` means V1 below
-``NATIVE_V2_MIN_VERSION``; vLLM supports the method under V2 from 0.32 (its wheels), but no GPU
-lane has run it there yet.
+runner only (its V2 runner refuses it), so ``model_runner: default`` means V1 below
+``NATIVE_V2_MIN_VERSION`` (0.33: the GPU lane ran the method under Model Runner V2 there); from it
+on the engine keeps vLLM's own default runner.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ NATIVE_MIN_VERSION = "0.22"
 # KV cache's layout (tests/gpu/test_gpu_families.py).
 NATIVE_MLA_MIN_VERSION = "0.32"
 # The oldest vLLM whose Model Runner V2 a GPU lane saw capturing with the extractor
-# (tests/gpu: test_native_matches_hf[v2]); None until one has. Below it ``default`` means V1.
-NATIVE_V2_MIN_VERSION: str | None = None
+# (tests/gpu: test_native_matches_hf[v2], 2026-12-06 on 0.33.0; 0.32 is untested there). Below it
+# ``default`` means V1.
+NATIVE_V2_MIN_VERSION: str | None = "0.33"
 CPU_CONNECTOR_MODULE = "draftflow.capture.adapters.native_connector"
 CPU_CONNECTOR_CLASS = "SyncHiddenStatesConnector"
 GPU_CONNECTOR_CLASS = "ExampleHiddenStatesConnector"

@@ -71,18 +71,26 @@ def keyless(schedule: list) -> list:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.backends import CaptureEngineSettings, make_backend
     from draftflow.capture.layers import capture_layers
 
     layers = capture_layers(args.model)
     prompts = make_prompts(args.lengths)
-    settings = EngineSettings(
+    settings = CaptureEngineSettings(
         max_model_len=max(args.lengths) + 1,
+        tp_size=1,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=0.1,
         kv_cache_memory_bytes=args.kv_cache_bytes,
         reserved_cpus=args.reserved_cpus,
+        trust_remote_code=False,
+        model_runner="default",
         deterministic=args.deterministic,
+        engine_args={},
+        store_dtype="bfloat16",
+        hf_dtype="float32",
+        device="cpu",
     )
     reference, reference_schedule, calls, solo, cost = None, None, [], None, None
     for engine in range(args.engines):

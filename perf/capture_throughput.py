@@ -47,18 +47,27 @@ def run_mode(args: argparse.Namespace) -> dict:
     """One mode in this process; returns its measurement."""
     import torch
 
-    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.backends import CaptureEngineSettings, make_backend
     from draftflow.capture.layers import capture_layers
 
     torch.set_num_threads(args.threads)
     layers = capture_layers(args.model)
     prompts = make_prompts(args.prompts, args.length)
-    settings = EngineSettings(
+    settings = CaptureEngineSettings(
         max_model_len=args.length + 1,
+        tp_size=1,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=0.1,
         kv_cache_memory_bytes=args.kv_cache_bytes,
+        reserved_cpus=None,
+        trust_remote_code=False,
+        model_runner="default",
+        deterministic=False,
+        engine_args={},
+        store_dtype="bfloat16",
         hf_dtype="bfloat16",
+        device="cpu",
     )
     started = time.perf_counter()
     if args.mode == "plain":

@@ -101,7 +101,11 @@ def run_mode(args: argparse.Namespace) -> dict:
     """One mode in this process: warm up, then time ``--repeats`` passes."""
     import torch
 
-    from draftflow.capture.backends import EngineSettings, capture_engine_kwargs, make_backend
+    from draftflow.capture.backends import (
+        CaptureEngineSettings,
+        capture_engine_kwargs,
+        make_backend,
+    )
     from draftflow.capture.extract import _capture_all
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.quant import state_bytes_per_token
@@ -112,12 +116,15 @@ def run_mode(args: argparse.Namespace) -> dict:
     layers = capture_layers(model_dir)
     prompts = make_prompts(args.prompts, args.length, SHAPES[args.model]["vocab_size"])
     runner = {"hooks-v1": "v1", "hooks-v2": "v2"}.get(args.mode, "default")
-    settings = EngineSettings(
+    settings = CaptureEngineSettings(
         max_model_len=args.length + 1,
+        tp_size=1,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_bytes,
+        reserved_cpus=None,
+        trust_remote_code=False,
         model_runner=runner,
         engine_args={"load_format": "dummy"} if args.mode != "hf" else {},
         hf_dtype="bfloat16",

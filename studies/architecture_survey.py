@@ -64,10 +64,12 @@ def build_target(name: str, out: Path, tokenizer: Path) -> Path:
 
 
 def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
+    from dataclasses import replace
+
     import torch
 
-    from draftflow.capture.backends import EngineSettings, make_backend
-    from draftflow.capture.extract import VerifySettings
+    from draftflow.capture.backends import make_backend
+    from draftflow.capture.extract import VerifySettings, extract_settings
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.verify import cosine_failures, cosine_summary, token_cosines
     from draftflow.config import DEMO_CONFIG, from_section, load_config
@@ -77,11 +79,15 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
     layers = capture_layers(target)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in LENGTHS]
-    engine = EngineSettings(
-        max_model_len=320,
+    demo = load_config(DEMO_CONFIG)
+    # The demo's capture engine, small enough that prompts are chunked; vLLM's choice of cores.
+    engine = replace(
+        extract_settings(demo).capture_engine(320),
         max_num_batched_tokens=128,
         max_num_seqs=4,
         kv_cache_memory_bytes=32 << 20,
+        reserved_cpus=None,
+        deterministic=False,
     )
     row: dict = {"name": name, "architecture": architecture, "layer_ids": layers.layer_ids}
     began = time.monotonic()
@@ -95,7 +101,7 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
     except Exception as error:  # the engine's root cause is in the message (draftflow.engine)
         row.update(passed=False, error=f"{type(error).__name__}: {error}"[:2000])
         return row
-    reference = make_backend("hf", target, layers.layer_ids, EngineSettings(320))
+    reference = make_backend("hf", target, layers.layer_ids, replace(engine, hf_dtype="float32"))
     try:
         expected = reference.capture(prompts)
     finally:
@@ -103,9 +109,7 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
     cosines = torch.cat([token_cosines(c, r) for c, r in zip(captured, expected, strict=True)])
     summary = cosine_summary(cosines, layers.layer_ids)
     # The demo's verification thresholds (config/demo.yaml, extract.verify).
-    thresholds = from_section(
-        VerifySettings, load_config(DEMO_CONFIG)["extract"]["verify"], "extract.verify"
-    )
+    thresholds = from_section(VerifySettings, demo["extract"]["verify"], "extract.verify")
     row["per_layer"] = summary
     row["failures"] = cosine_failures(
         summary, thresholds.min_mean_cosine, thresholds.min_p01_cosine

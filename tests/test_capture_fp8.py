@@ -156,9 +156,9 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     bytes and match the plan."""
     from dataclasses import replace
 
-    from config_support import extract_settings
+    from config_support import capture_engine_settings, extract_settings
 
-    from draftflow.capture.backends import EngineSettings, make_backend
+    from draftflow.capture.backends import make_backend
     from draftflow.capture.extract import run_extract
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_store
@@ -175,11 +175,12 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     layers = capture_layers(smollm2_dir)
     # Deterministic engines: the same calls give the same bf16 bits on either engine
     # (docs/capture.md, "Determinism"), so the two stores can be compared bit for bit.
-    engine = EngineSettings(
-        max_model_len=301,
+    engine = capture_engine_settings(
+        301,
         max_num_batched_tokens=256,
         max_num_seqs=4,
         kv_cache_memory_bytes=33_554_432,
+        reserved_cpus=None,
         deterministic=True,
     )
     stores = {}

@@ -78,12 +78,21 @@ def test_an_engine_that_dies_mid_call_names_the_workers_own_error(smollm2_dir: P
     the worker's exception instead."""
     import shutil
 
-    from draftflow.capture.backends import EngineSettings, make_backend
+    from config_support import capture_engine_settings
+
+    from draftflow.capture.backends import make_backend
     from draftflow.capture.layers import capture_layers
     from draftflow.engine import EngineRunError
 
     layers = capture_layers(smollm2_dir)
-    settings = EngineSettings(max_model_len=64, max_num_seqs=2, kv_cache_memory_bytes=1 << 24)
+    settings = capture_engine_settings(
+        64,
+        max_num_batched_tokens=1024,
+        max_num_seqs=2,
+        kv_cache_memory_bytes=1 << 24,
+        reserved_cpus=None,
+        deterministic=False,
+    )
     backend = make_backend("hooks", smollm2_dir, layers.layer_ids, settings)
     try:
         shutil.rmtree(backend._tmp.name)

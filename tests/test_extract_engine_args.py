@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
+from draftflow.capture.backends import CaptureEngineSettings, capture_engine_kwargs
 from draftflow.capture.extract import ExtractSettings
 from draftflow.capture.section import EXTRACT_DAG_KEYS, extract_section
 from draftflow.config import from_section, load_config
@@ -108,10 +108,10 @@ def expected_kwargs(config: dict[str, Any], max_model_len: int) -> dict[str, Any
     }
 
 
-def expected_backend(config: dict[str, Any], max_model_len: int) -> EngineSettings:
+def expected_backend(config: dict[str, Any], max_model_len: int) -> CaptureEngineSettings:
     """The capture backend's settings (its engine's environment too), from the config's keys."""
     extract, engine = config["extract"], config["engine"]
-    return EngineSettings(
+    return CaptureEngineSettings(
         max_model_len=max_model_len,
         tp_size=engine["tensor_parallel_size"],
         max_num_batched_tokens=extract["max_num_batched_tokens"],

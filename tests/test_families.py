@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 import torch
 from capture_stores import StoreShape, write_store
+from config_support import capture_engine_settings
 
-from draftflow.capture.backends import EngineSettings, make_backend
+from draftflow.capture.backends import CaptureEngineSettings, make_backend
 from draftflow.capture.decoder_search import DecoderNotFoundError, find_decoder
 from draftflow.capture.extract import VerifySettings
 from draftflow.capture.layers import capture_layers, default_aux_layers
@@ -31,9 +32,17 @@ THRESHOLDS = from_section(
 )
 LENGTHS = [7, 300, 40, 130, 64]
 # Chunked prefill (prompts longer than 128 tokens) and more prompts than sequences.
-ENGINE = EngineSettings(
-    max_model_len=320, max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory_bytes=32 << 20
+ENGINE = capture_engine_settings(
+    320,
+    max_num_batched_tokens=128,
+    max_num_seqs=4,
+    kv_cache_memory_bytes=32 << 20,
+    # vLLM picks its scheduler cores, no bit-for-bit repeats (the demo: 0 cores, deterministic)
+    reserved_cpus=None,
+    deterministic=False,
 )
+# transformers fp32: the reference each capture is held against.
+HF_REFERENCE = capture_engine_settings(64, hf_dtype="float32")
 CPU_FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss"]
 MLA_FAMILIES = {"deepseek_v3", "kimi_k25"}
 VLLM_CLASSES = {
@@ -46,7 +55,7 @@ VLLM_CLASSES = {
 }
 
 
-def cpu_build_chunks_prefill(family: str, engine: EngineSettings = ENGINE) -> bool:
+def cpu_build_chunks_prefill(family: str, engine: CaptureEngineSettings = ENGINE) -> bool:
     """Whether vLLM's CPU build prefills long prompts in chunks for this family.
 
     An MLA target gets chunked prefill only from the AMX MLA kernel; with the reference
@@ -97,7 +106,7 @@ def test_hf_backend_finds_the_text_decoder(family, family_targets):
     """transformers: the decoder of a causal LM and of a wrapper's language model."""
     target = family_targets(family)
     layers = capture_layers(target)
-    backend = make_backend("hf", target, layers.layer_ids, EngineSettings(64))
+    backend = make_backend("hf", target, layers.layer_ids, HF_REFERENCE)
     try:
         (states,) = backend.capture(make_prompts([20], seed=1))
         assert states.shape == (20, 4, 128)
@@ -121,7 +130,7 @@ def test_hf_backend_reads_a_wrapper_whose_config_class_vllm_replaced(family_targ
     AutoConfig.register("kimi_k25", KimiK25Config, exist_ok=True)
     try:
         assert type(AutoConfig.from_pretrained(str(target))) is KimiK25Config
-        backend = make_backend("hf", target, layers.layer_ids, EngineSettings(64))
+        backend = make_backend("hf", target, layers.layer_ids, HF_REFERENCE)
         try:
             (states,) = backend.capture(make_prompts([20], seed=1))
         finally:
@@ -158,13 +167,13 @@ def test_verification_up_to_a_layer_loads_only_the_layers_below(family, family_t
     target = family_targets(family)
     layers = capture_layers(target)
     prompts = make_prompts([20, 33, 9], seed=2)
-    full = make_backend("hf", target, layers.layer_ids, EngineSettings(64))
+    full = make_backend("hf", target, layers.layer_ids, HF_REFERENCE)
     try:
         states = full.capture(prompts)
     finally:
         full.close()
     low = layers.aux_layer_ids[0]
-    cut = HFBackend(target, [low], EngineSettings(64), num_layers=low)
+    cut = HFBackend(target, [low], HF_REFERENCE, num_layers=low)
     try:
         # A prefix of the decoder, with the full model's states at its top.
         assert cut.num_layers == low < full.num_layers
@@ -195,7 +204,7 @@ def test_verification_up_to_a_layer_loads_only_the_layers_below(family, family_t
         "fraction": 1.0,
         "min_mean_cosine": THRESHOLDS.min_mean_cosine,
         "min_p01_cosine": THRESHOLDS.min_p01_cosine,
-        "settings": EngineSettings(64),
+        "settings": HF_REFERENCE,
         "max_layer": low,
     }
     passed = verify_shard(store("right", None), target, **check)
@@ -305,7 +314,9 @@ def test_hooks_capture_matches_hf(family, engine, family_targets):
         backend.close()
     chunked = stats["max_forwards_per_request"] > 1
     assert chunked == cpu_build_chunks_prefill(family, engine), stats
-    reference = make_backend("hf", target, layer_ids, EngineSettings(ENGINE.max_model_len))
+    reference = make_backend(
+        "hf", target, layer_ids, replace(HF_REFERENCE, max_model_len=ENGINE.max_model_len)
+    )
     try:
         summary = assert_verifies(captured, reference.capture(prompts), layer_ids)
     finally:
@@ -325,7 +336,9 @@ def test_native_capture_matches_hf(family, family_targets):
         captured = backend.capture(prompts)
     finally:
         backend.close()
-    reference = make_backend("hf", target, layer_ids, EngineSettings(ENGINE.max_model_len))
+    reference = make_backend(
+        "hf", target, layer_ids, replace(HF_REFERENCE, max_model_len=ENGINE.max_model_len)
+    )
     try:
         summary = assert_verifies(captured, reference.capture(prompts), layer_ids)
     finally:

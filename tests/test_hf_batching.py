@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_support import capture_engine_settings
 
-from draftflow.capture.backends import EngineSettings
 from draftflow.capture.backends.hf import HFBackend
 from draftflow.capture.layers import capture_layers
 from draftflow.capture.verify import cosine_summary, token_cosines
@@ -38,7 +38,9 @@ def layer_ids(smollm2_dir) -> list[int]:
 
 
 def backend(smollm2_dir, layer_ids, dtype: str, **batching: int) -> HFBackend:
-    return HFBackend(smollm2_dir, layer_ids, EngineSettings(1024, hf_dtype=dtype), **batching)
+    return HFBackend(
+        smollm2_dir, layer_ids, capture_engine_settings(1024, hf_dtype=dtype), **batching
+    )
 
 
 @pytest.fixture(scope="module")

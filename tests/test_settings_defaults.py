@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from draftflow.bench.settings import BenchSettings
+from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.extract import ExtractSettings, VerifySettings, extract_settings
 from draftflow.capture.section import EXTRACT_DAG_KEYS
 from draftflow.config import BASE_CONFIG, DEMO_CONFIG, from_section, load_config
@@ -58,6 +59,8 @@ SETTINGS = [
     ),
     (BenchSettings, None, {}),
     (EngineSettings, None, {}),
+    # Built from ExtractSettings (capture_engine): its fields are the extract job's.
+    (CaptureEngineSettings, None, {}),
 ]
 
 # Keys the user must give: they have no default a run could use.

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from draftflow.capture.backends import (
     CaptureBackend,
-    EngineSettings,
+    CaptureEngineSettings,
     capture_stream,
     installed_vllm_version,
     make_backend,
@@ -37,7 +37,7 @@ from draftflow.capture.store import CaptureWriter, update_manifest
 from draftflow.capture.verify import CaptureVerificationError, verify_shard
 from draftflow.config import from_section
 from draftflow.data.samples import read_samples
-from draftflow.engine_settings import EngineSettings as StageEngineSettings
+from draftflow.engine_settings import EngineSettings
 from draftflow.io import publish_dir, read_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -77,17 +77,17 @@ class ExtractSettings:
     verify: VerifySettings
     # engine_settings(config, "extract"): devices, batch, memory and engine_args, the same
     # path as regenerate's and bench's engines.
-    engine: StageEngineSettings
+    engine: EngineSettings
 
     @property
     def device(self) -> str:
         """The torch device of the hf backend and the verification reference."""
         return "cuda" if self.engine.device == "gpu" else "cpu"
 
-    def capture_engine(self, max_model_len: int) -> EngineSettings:
+    def capture_engine(self, max_model_len: int) -> CaptureEngineSettings:
         """The capture backend's settings for samples of up to ``max_model_len`` - 1 tokens."""
         engine = self.engine
-        return EngineSettings(
+        return CaptureEngineSettings(
             max_model_len=max_model_len,
             tp_size=engine.tensor_parallel_size,
             max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -218,12 +218,9 @@ def run_extract(
         min_mean_cosine=verify.min_mean_cosine,
         min_p01_cosine=verify.min_p01_cosine,
         max_layer=verify.max_layer,
-        settings=EngineSettings(
-            max_model_len=engine.max_model_len,
-            hf_dtype=verify.dtype,
-            device=settings.device,
-            trust_remote_code=settings.trust_remote_code,
-        ),
+        # The job's own settings in the reference dtype: the hf backend reads only hf_dtype,
+        # device and trust_remote_code of them.
+        settings=replace(engine, hf_dtype=verify.dtype),
     )
     manifest = update_manifest(work, {"verification": results})
     if not results["passed"]:

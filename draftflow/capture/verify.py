@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from draftflow.capture.backends import EngineSettings
+from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.store import CaptureReader
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def verify_shard(
     fraction: float,
     min_mean_cosine: float,
     min_p01_cosine: float,
-    settings: EngineSettings,
+    settings: CaptureEngineSettings,
     max_layer: int | None = None,
 ) -> dict:
     """Recompute some samples with the hf backend and compare; returns the results (+ passed).

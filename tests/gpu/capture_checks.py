@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from config_support import capture_engine_settings
 from packaging.version import Version
 
-from draftflow.capture.backends import EngineSettings
+from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.verify import cosine_summary, token_cosines
 
 
@@ -16,17 +17,29 @@ def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def gpu_engine(max_model_len: int, model_runner: str = "default", **changes: Any) -> EngineSettings:
+def gpu_engine(
+    max_model_len: int, model_runner: str = "default", **changes: Any
+) -> CaptureEngineSettings:
     """A small KV cache and token budget, so that requests are chunked and preempted."""
     values = {
-        "max_model_len": max_model_len,
         "max_num_batched_tokens": 128,
         "max_num_seqs": 4,
         "model_runner": model_runner,
         "device": "cuda",
+        # Not the demo's CPU values: the GPU's share (gpu_memory_utilization) unless a test
+        # sets exact bytes, vLLM's own choice of cores, vLLM's default (not batch-invariant)
+        # kernels.
+        "kv_cache_memory_bytes": None,
+        "reserved_cpus": None,
+        "deterministic": False,
         **changes,
     }
-    return EngineSettings(**values)
+    return capture_engine_settings(max_model_len, **values)
+
+
+def hf_reference_engine(max_model_len: int) -> CaptureEngineSettings:
+    """transformers fp32 on the GPU: the reference of every capture."""
+    return capture_engine_settings(max_model_len, hf_dtype="float32", device="cuda")
 
 
 def assert_cosines_at_least(

@@ -15,11 +15,12 @@ from capture_checks import (
     assert_model_runner_v2,
     async_scheduling,
     gpu_engine,
+    hf_reference_engine,
     random_prompts,
     skip_native_v2_where_unsupported,
 )
 
-from draftflow.capture.backends import EngineSettings, make_backend
+from draftflow.capture.backends import CaptureEngineSettings, make_backend
 from draftflow.capture.layers import capture_layers
 
 LENGTHS = [7, 600, 33, 250, 120, 7, 410, 64, 300]
@@ -29,7 +30,7 @@ MIN_MEAN_COSINE = 0.995
 MIN_P01_COSINE = 0.995
 
 
-def engine_settings(model_runner: str = "default", **changes) -> EngineSettings:
+def engine_settings(model_runner: str = "default", **changes) -> CaptureEngineSettings:
     shape = {
         "kv_cache_memory_bytes": 21_900_000,  # ~880 tokens: requests are preempted
         "engine_args": {"long_prefill_token_threshold": 32},
@@ -46,9 +47,7 @@ def layers(smollm2_dir):
 def hf_reference(smollm2_dir, layers):
     """fp32 transformers on the GPU: from here on the driver process holds a CUDA context,
     so every engine below must start its workers without forking it."""
-    backend = make_backend(
-        "hf", smollm2_dir, layers.layer_ids, EngineSettings(MAX_MODEL_LEN, device="cuda")
-    )
+    backend = make_backend("hf", smollm2_dir, layers.layer_ids, hf_reference_engine(MAX_MODEL_LEN))
     assert torch.cuda.is_initialized()
     yield backend
     backend.close()

@@ -12,12 +12,13 @@ from capture_checks import (
     assert_model_runner_v2,
     async_scheduling,
     gpu_engine,
+    hf_reference_engine,
     random_prompts,
     skip_native_v2_where_unsupported,
 )
 from packaging.version import Version
 
-from draftflow.capture.backends import EngineSettings, make_backend
+from draftflow.capture.backends import CaptureEngineSettings, make_backend
 from draftflow.capture.backends.native import native_refusal
 from draftflow.capture.extract import VerifySettings
 from draftflow.capture.layers import capture_layers
@@ -50,12 +51,12 @@ def assert_start_refused_where_known(
     return True
 
 
-def engine_settings(model_runner: str = "default", **changes) -> EngineSettings:
+def engine_settings(model_runner: str = "default", **changes) -> CaptureEngineSettings:
     return gpu_engine(320, model_runner, **{"kv_cache_memory_bytes": 64 << 20, **changes})
 
 
 def reference_states(target, layer_ids, prompts):
-    backend = make_backend("hf", target, layer_ids, EngineSettings(320, device="cuda"))
+    backend = make_backend("hf", target, layer_ids, hf_reference_engine(320))
     try:
         return [states.cpu() for states in backend.capture(prompts)]
     finally:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from draftflow.capture.quant import BF16, Quantized
+from draftflow.capture.quant import Quantized
 from draftflow.engine import installed_vllm_version
 
 BACKENDS = ("auto", "hooks", "native", "hf")
@@ -44,38 +44,56 @@ def capture_stream(
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """Engine settings shared by the vLLM backends (the hf backend uses device/dtype/threads)."""
+class CaptureEngineSettings:
+    """Engine settings shared by the vLLM backends (the hf backend reads only hf_dtype, device
+    and trust_remote_code).
 
+    No defaults: the extract job builds them from the validated config
+    (``ExtractSettings.capture_engine``, from ``engine_settings(config, "extract")``), tests from
+    the demo's config (tests/config_support.py, ``capture_engine_settings``).
+    """
+
+    # Not a config key: one more than the longest sample a shard holds.
     max_model_len: int
-    tp_size: int = 1
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 64
-    gpu_memory_utilization: float = 0.1
-    # Exact KV-cache size in bytes; overrides gpu_memory_utilization (tests use it to force
-    # preemption).
-    kv_cache_memory_bytes: int | None = None
-    # CPU build: cores vLLM keeps for its scheduler; the worker's thread counts follow
-    # (draftflow.workflow.cpu_threads). None = vLLM's choice.
-    reserved_cpus: int | None = None
-    trust_remote_code: bool = False
-    seed: int = 0
-    # vLLM's model runner: "default" (vLLM's choice), "v1" or "v2" (draftflow.engine).
-    model_runner: str = "default"
+    # engine.tensor_parallel_size
+    tp_size: int
+    # extract.max_num_batched_tokens, extract.max_num_seqs, extract.gpu_memory_utilization
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    # extract.kv_cache_memory_bytes: exact KV-cache size in bytes; overrides
+    # gpu_memory_utilization (tests use it to force preemption).
+    kv_cache_memory_bytes: int | None
+    # extract.reserved_cpus. CPU build: cores vLLM keeps for its scheduler; the worker's thread
+    # counts follow (draftflow.workflow.cpu_threads). None = vLLM's choice.
+    reserved_cpus: int | None
+    # target.trust_remote_code
+    trust_remote_code: bool
+    # extract.model_runner: "default" (vLLM's choice), "v1" or "v2" (draftflow.engine).
+    model_runner: str
     # extract.deterministic: the same prompts give the same bits, call after call
     # (docs/capture.md, "Determinism").
-    deterministic: bool = False
-    # Further vllm.LLM(...) arguments (e.g. block_size, long_prefill_token_threshold).
-    engine_args: dict = field(default_factory=dict)
+    deterministic: bool
+    # extract.engine_args: further vllm.LLM(...) arguments (e.g. block_size,
+    # long_prefill_token_threshold).
+    engine_args: dict
     # extract.store_dtype: the hooks backend hands fp8 states over quantized by its worker
     # (on the GPU before the copy to the host); the others hand over what they computed.
-    store_dtype: str = BF16
-    # hf backend: compute dtype ("float32" for the reference, "bfloat16") and device.
-    hf_dtype: str = "float32"
-    device: str = "cpu"
+    store_dtype: str
+    # hf backend: extract.hf_dtype, the compute dtype ("float32" for the reference,
+    # "bfloat16"), and the torch device ("cuda" where engine.device is gpu, else "cpu").
+    hf_dtype: str
+    device: str
 
 
-def capture_engine_kwargs(model_dir: str | os.PathLike[str], settings: EngineSettings) -> dict:
+# The engines' seed, not a config key: capture samples one token a prompt and throws it away,
+# so the seed changes no captured state.
+CAPTURE_SEED = 0
+
+
+def capture_engine_kwargs(
+    model_dir: str | os.PathLike[str], settings: CaptureEngineSettings
+) -> dict:
     """``vllm.LLM`` arguments every capture engine (hooks, native) shares."""
     from draftflow.engine import engine_kwargs
 
@@ -90,7 +108,7 @@ def capture_engine_kwargs(model_dir: str | os.PathLike[str], settings: EngineSet
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         tensor_parallel_size=settings.tp_size,
-        seed=settings.seed,
+        seed=CAPTURE_SEED,
         trust_remote_code=settings.trust_remote_code,
         enforce_eager=True,  # forward hooks and torch.compile don't mix
         extra={
@@ -130,7 +148,10 @@ def resolve_backend(name: str, vllm_version: str | None = None) -> str:
 
 
 def make_backend(
-    name: str, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
+    name: str,
+    model_dir: str | os.PathLike[str],
+    layer_ids: list[int],
+    settings: CaptureEngineSettings,
 ) -> CaptureBackend:
     """Start the backend ``name`` (already resolved, not ``auto``)."""
     if name == "hooks":

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from draftflow.capture.backends import EngineSettings
+from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.decoder_search import find_decoder
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,7 +118,7 @@ class HFBackend:
         self,
         model_dir: str | os.PathLike[str],
         layer_ids: list[int],
-        settings: EngineSettings,
+        settings: CaptureEngineSettings,
         *,
         max_batch_tokens: int | None = None,
         max_batch_prompts: int | None = None,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from draftflow.capture.adapters import check_hooks_version
-from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
+from draftflow.capture.backends import CaptureEngineSettings, capture_engine_kwargs
 from draftflow.capture.quant import Quantized
 from draftflow.capture.recorder import RequestFile, map_request_file
 from draftflow.capture.worker_extension import FILE_KEY
@@ -121,7 +121,10 @@ class HooksBackend:
     name = "hooks"
 
     def __init__(
-        self, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
+        self,
+        model_dir: str | os.PathLike[str],
+        layer_ids: list[int],
+        settings: CaptureEngineSettings,
     ) -> None:
         self.vllm_version = installed_vllm_version()
         check_hooks_version(self.vllm_version)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from packaging.version import Version
 
-from draftflow.capture.backends import EngineSettings, capture_engine_kwargs
+from draftflow.capture.backends import CaptureEngineSettings, capture_engine_kwargs
 from draftflow.capture.layers import text_config
 from draftflow.engine import (
     describe_model,
@@ -99,7 +99,10 @@ class NativeBackend:
     name = "native"
 
     def __init__(
-        self, model_dir: str | os.PathLike[str], layer_ids: list[int], settings: EngineSettings
+        self,
+        model_dir: str | os.PathLike[str],
+        layer_ids: list[int],
+        settings: CaptureEngineSettings,
     ) -> None:
         self.vllm_version = installed_vllm_version()
         if self.vllm_version is None:

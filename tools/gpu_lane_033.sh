@@ -81,9 +81,11 @@ perf)
   bash tools/gpu_carry_unpack.sh
   smoke >"$out/logs/smoke.log" 2>&1
   export PYTHONUNBUFFERED=1
-  # PERF_PROMPTS / PERF_REPEATS shorten the run where the machine's time is short.
+  # PERF_PROMPTS / PERF_REPEATS shorten the run where the machine's time is short; PERF_CHUNK
+  # sets the store's samples per chunk (2 gave 0.24's headline, docs/results/gpu-capture-chunk2.json).
   timeout "$seconds" python3 perf/gpu_capture.py --root /tmp/gcap --model llama8b \
     --prompts "${PERF_PROMPTS:-256}" --repeats "${PERF_REPEATS:-2}" --length 1024 \
+    --chunk-samples "${PERF_CHUNK:-8}" \
     --modes plain hooks-v2 native --out "$out/gpu-capture-033.json" \
     >"$out/logs/perf.log" 2>&1
   tail -5 "$out/logs/perf.log"

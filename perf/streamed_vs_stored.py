@@ -8,6 +8,9 @@ files' wall seconds; the drafts' sha256 must agree.
 
     python perf/streamed_vs_stored.py --target .test-cache/smollm2 --workdir /tmp/streamed \\
         --out docs/results/streamed-vs-stored-cpu.json
+
+``--gpu`` runs every engine and the trainer on one GPU (``engine.device: gpu``, ``--resources
+gpu=1``, as tests/gpu/test_gpu_workflow.py does), so jobs take the GPU in turn.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shutil
 import sys
@@ -38,6 +42,7 @@ from stream_support import (  # noqa: E402
 )
 from workflow_support import (  # noqa: E402
     clone_workdir,
+    merge,
     prepare_tiny_workdir,
     run_snakemake,
     write_config,
@@ -65,7 +70,30 @@ def job_seconds(workdir: Path, mode: str) -> dict:
     }
 
 
-def measured_run(workdir: Path, mode: str) -> dict:
+# One GPU for every job: the engines take a share of it sized by profiling, the trainer the rest.
+GPU_OVERLAY = {
+    "engine": {"device": "gpu"},
+    "extract": {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": None},
+    "resources": {"train_gpus": 1},
+}
+GPU_SNAKEMAKE_ARGS = ("--cores", "8", "--resources", "gpu=1")
+CPU_SNAKEMAKE_ARGS = ("--cores", "2")
+
+
+def machine(gpu: bool) -> str:
+    cores = os.cpu_count()
+    if not gpu:
+        return f"{platform.machine()} {platform.system()}, {cores} cores, vLLM CPU build"
+    import torch
+    import vllm
+
+    return (
+        f"one {torch.cuda.get_device_name()}, {cores} CPU cores; torch {torch.__version__}, "
+        f"vLLM {vllm.__version__}"
+    )
+
+
+def measured_run(workdir: Path, mode: str, snakemake_args: tuple[str, ...]) -> dict:
     results = workdir / "results"
     sampler = DiskSampler(
         {
@@ -79,7 +107,7 @@ def measured_run(workdir: Path, mode: str) -> dict:
     )
     start = time.perf_counter()
     with sampler.running():
-        run_snakemake(workdir, "--cores", "2", DRAFT, timeout=3600)
+        run_snakemake(workdir, *snakemake_args, DRAFT, timeout=3600)
     wall = time.perf_counter() - start
     if mode == "streamed":
         capture = benchmark_seconds(workdir, "benchmarks/stream/link-*/extract.tsv")
@@ -106,31 +134,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--backend", default="hooks", help="extract.backend (hooks: vLLM)")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--gpu", action="store_true", help="every job on one GPU")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
+    config = stream_test_config(backend=args.backend)
+    if args.gpu:
+        config = merge(config, GPU_OVERLAY)
+    snakemake_args = GPU_SNAKEMAKE_ARGS if args.gpu else CPU_SNAKEMAKE_ARGS
     shutil.rmtree(args.workdir, ignore_errors=True)
     upstream = prepare_tiny_workdir(args.workdir / "upstream", args.target)
-    write_config(upstream, stream_test_config(backend=args.backend))
-    run_snakemake(upstream, "--cores", "2", *UPSTREAM_TARGETS, timeout=3600)
+    write_config(upstream, config)
+    run_snakemake(upstream, *snakemake_args, *UPSTREAM_TARGETS, timeout=3600)
 
     runs = {}
     stored = clone_workdir(upstream, args.workdir / "stored")
-    runs["stored"] = measured_run(stored, "stored")
+    runs["stored"] = measured_run(stored, "stored", snakemake_args)
     for window in args.windows:
         streamed = clone_workdir(upstream, args.workdir / f"streamed-w{window}")
         set_mode(streamed, "streamed", window=window)
-        runs[f"streamed_window_{window}"] = measured_run(streamed, "streamed")
+        runs[f"streamed_window_{window}"] = measured_run(streamed, "streamed", snakemake_args)
         runs[f"streamed_window_{window}"]["metrics_equal_stored"] = untimed_metrics(
             streamed
         ) == untimed_metrics(stored)
-    config = stream_test_config(backend=args.backend)
     record = {
-        "machine": f"{platform.machine()} {platform.system()}, 2 cores, vLLM CPU build",
+        "machine": machine(args.gpu),
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", "perf/streamed_vs_stored.py", *(argv or sys.argv[1:])]),
         "workflow": (
             "tests/configs/tiny.yaml over config/demo.yaml (SmolLM2-135M) with "
+            f"{'engine.device gpu, ' if args.gpu else ''}"
             f"extract.num_shards.train {config['extract']['num_shards']['train']}, "
             f"train.epochs {config['train']['epochs']}, train.order by_shard, "
             f"extract.backend {args.backend}, extract.deterministic "

@@ -74,25 +74,26 @@ def on_cpu_build() -> bool:
 
 def engine_env(
     *,
-    reserved_cpus: int | None = None,
-    model_runner: str = "default",
-    kv_cache_memory_bytes: int | None = None,
-    tensor_parallel_size: int = 1,
-    cpu: bool | None = None,
-    deterministic: bool = False,
+    reserved_cpus: int | None,
+    model_runner: str,
+    kv_cache_memory_bytes: int | None,
+    tensor_parallel_size: int,
+    cpu: bool,
+    deterministic: bool,
 ) -> dict[str, str]:
-    """Environment for an engine's processes (``cpu``: the platform, None = ask vLLM).
+    """Environment for an engine's processes; every argument is the stage's config value (none
+    has a default: config/schema.yaml holds them), but ``cpu``: the platform (``on_cpu_build``).
 
-    CPU build: reserved scheduler cores and matching thread counts
+    CPU build: ``reserved_cpus`` scheduler cores and matching thread counts
     (``draftflow.workflow.cpu_threads``; with tensor parallelism one core list per rank, unless
-    ``VLLM_CPU_OMP_THREADS_BIND`` is set already), and the KV-cache size where old versions
-    ignore the engine argument. GPUs: ``spawn`` for vLLM's worker processes, and vLLM's own sampler where
-    flashinfer is not installed. ``deterministic`` (``extract.deterministic``): on GPUs vLLM's
-    batch-invariant kernels (``deterministic_env``).
+    ``VLLM_CPU_OMP_THREADS_BIND`` is set already), and ``kv_cache_memory_bytes`` where old
+    versions ignore the engine argument. GPUs: ``spawn`` for vLLM's worker processes, and vLLM's
+    own sampler where flashinfer is not installed. ``model_runner`` (``extract.model_runner``;
+    "default" where a stage has no such key) and ``deterministic`` (``extract.deterministic``;
+    on GPUs vLLM's batch-invariant kernels, ``deterministic_env``).
     """
     if model_runner not in MODEL_RUNNERS:
         raise ValueError(f"model_runner {model_runner!r}: allowed are {', '.join(MODEL_RUNNERS)}")
-    cpu = on_cpu_build() if cpu is None else cpu
     if cpu:
         env = cpu_engine_env(reserved_cpus)
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -137,15 +138,16 @@ def engine_kwargs(
     model: str | os.PathLike[str],
     *,
     max_model_len: int,
-    kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    tensor_parallel_size: int = 1,
-    seed: int = 0,
-    trust_remote_code: bool = False,
-    enforce_eager: bool = True,
-    extra: Mapping[str, Any] | None = None,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float | None,
+    tensor_parallel_size: int,
+    seed: int,
+    trust_remote_code: bool,
+    enforce_eager: bool,
+    extra: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments shared by every stage.
+    """``vllm.LLM`` keyword arguments shared by every stage, from the stage's settings (no
+    argument has a default: config/schema.yaml holds them).
 
     KV cache: ``kv_cache_memory_bytes`` (an exact size) wins over ``gpu_memory_utilization``. On
     the CPU build the utilization is a share of RAM that must also hold the weights, so an exact
@@ -172,7 +174,7 @@ def engine_kwargs(
         kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
     if tensor_parallel_size > 1:  # the target sharded over the job's GPUs
         kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
-    return {**kwargs, **text_only_kwargs(model), **dict(extra or {})}
+    return {**kwargs, **text_only_kwargs(model), **dict(extra)}
 
 
 # config.json keys of multimodal wrappers (Llava, Mistral3, Gemma-3, Qwen-VL, Kimi-K2.5).

@@ -74,12 +74,12 @@ def run_mode(args: argparse.Namespace) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from draftflow.capture.backends import capture_engine_kwargs
-        from draftflow.engine import engine_env, start_engine
+        from draftflow.capture.backends import capture_engine_env, capture_engine_kwargs
+        from draftflow.engine import start_engine
 
         llm = start_engine(
             capture_engine_kwargs(args.model, settings),
-            engine_env(kv_cache_memory_bytes=settings.kv_cache_memory_bytes),
+            capture_engine_env(settings, settings.model_runner),
         )
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 

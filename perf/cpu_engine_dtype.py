@@ -20,10 +20,28 @@ def measure(model: str, dtype: str, prompts: int, length: int, decode_tokens: in
 
     from draftflow.engine import engine_env, engine_kwargs, shutdown_engine, start_engine
 
+    # No config here: one plain CPU engine with a 256 MiB KV cache and one scheduler core.
+    kv_cache_memory_bytes = 256 << 20
     kwargs = engine_kwargs(
-        model, max_model_len=2 * length + decode_tokens, kv_cache_memory_bytes=256 << 20
+        model,
+        max_model_len=2 * length + decode_tokens,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        gpu_memory_utilization=None,
+        tensor_parallel_size=1,
+        seed=0,
+        trust_remote_code=False,
+        enforce_eager=True,
+        extra={},
     )
-    llm = start_engine({**kwargs, "dtype": dtype}, engine_env(reserved_cpus=1, cpu=True))
+    env = engine_env(
+        reserved_cpus=1,
+        model_runner="default",
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        tensor_parallel_size=1,
+        cpu=True,
+        deterministic=False,
+    )
+    llm = start_engine({**kwargs, "dtype": dtype}, env)
     try:
         rng = random.Random(0)
         batch = [

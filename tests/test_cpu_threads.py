@@ -1,8 +1,8 @@
 """Thread settings for vLLM's CPU build (draftflow.workflow.cpu_threads)."""
 
 import pytest
+from config_support import demo_engine_env, demo_engine_kwargs
 
-from draftflow.engine import engine_env
 from draftflow.workflow.cpu_threads import cpu_engine_env
 
 
@@ -34,38 +34,36 @@ def test_default_and_edge_cases():
 def test_engine_env_per_platform():
     # This machine has no GPU: the CPU build's thread rules; a GPU engine spawns its workers
     # (a driver that touched CUDA cannot fork them).
-    assert engine_env(reserved_cpus=1) == cpu_engine_env(1)
-    assert engine_env(reserved_cpus=1, cpu=False)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    assert "OMP_NUM_THREADS" not in engine_env(reserved_cpus=1, cpu=False)
-    assert engine_env(cpu=False, model_runner="v2")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-    assert engine_env(cpu=True, model_runner="v1")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_env(cpu=False)
+    from draftflow.engine import on_cpu_build
+
+    here = demo_engine_env(
+        "regenerate", reserved_cpus=1, kv_cache_memory_bytes=None, cpu=on_cpu_build()
+    )
+    assert here == cpu_engine_env(1)
+    gpu = demo_engine_env("regenerate", reserved_cpus=1, cpu=False)
+    assert gpu["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert "OMP_NUM_THREADS" not in gpu
+    runner = "VLLM_USE_V2_MODEL_RUNNER"
+    assert demo_engine_env("extract", cpu=False, model_runner="v2")[runner] == "1"
+    assert demo_engine_env("extract", cpu=True, model_runner="v1")[runner] == "0"
+    assert runner not in demo_engine_env("extract", cpu=False)
     with pytest.raises(ValueError, match="allowed are default, v1, v2"):
-        engine_env(model_runner="v3")
+        demo_engine_env("extract", model_runner="v3")
 
 
 def test_engine_kwargs_keep_the_share_beside_an_exact_kv_cache():
     """The exact size sizes the cache; the share stays, since a GPU engine checks at start that
     it is free (vLLM's own default, 0.92, failed every engine sharing the H200)."""
-    from draftflow.engine import engine_kwargs
-
-    exact = engine_kwargs(
-        "m", max_model_len=64, kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5
-    )
+    exact = demo_engine_kwargs("m", kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5)
     assert exact["kv_cache_memory_bytes"] == 1 << 20 and exact["gpu_memory_utilization"] == 0.5
-    bytes_only = engine_kwargs("m", max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    bytes_only = demo_engine_kwargs("m", kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=None)
     assert "gpu_memory_utilization" not in bytes_only
-    share = engine_kwargs("m", max_model_len=64, gpu_memory_utilization=0.5)
+    share = demo_engine_kwargs("m", kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
     assert share["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in share
     assert "tensor_parallel_size" not in share
-    assert (
-        engine_kwargs("m", max_model_len=64, gpu_memory_utilization=0.5, tensor_parallel_size=2)[
-            "tensor_parallel_size"
-        ]
-        == 2
-    )
+    assert demo_engine_kwargs("m", tensor_parallel_size=2)["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="kv_cache_memory_bytes or gpu_memory_utilization"):
-        engine_kwargs("m", max_model_len=64)
+        demo_engine_kwargs("m", kv_cache_memory_bytes=None, gpu_memory_utilization=None)
 
 
 def test_tensor_parallel_ranks_get_their_own_cores():
@@ -88,21 +86,24 @@ def test_tensor_parallel_ranks_get_their_own_cores():
 def test_engine_env_binds_tensor_parallel_ranks(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    env = engine_env(reserved_cpus=0, tensor_parallel_size=2, cpu=True)
+    env = demo_engine_env("extract", reserved_cpus=0, tensor_parallel_size=2, cpu=True)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and env["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own binding wins
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(tensor_parallel_size=2, cpu=True)
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(tensor_parallel_size=2, cpu=False)
+    for cpu in (True, False):
+        tp2 = demo_engine_env("extract", tensor_parallel_size=2, cpu=cpu)
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in tp2
 
 
 def test_deterministic_env_is_batch_invariance_on_gpus_only():
     from draftflow.engine import deterministic_summary
 
-    gpu = engine_env(cpu=False, deterministic=True)
+    gpu = demo_engine_env("extract", cpu=False, deterministic=True)
     assert gpu["VLLM_BATCH_INVARIANT"] == "1"
     assert "batch-invariant" in deterministic_summary(gpu)
-    assert "VLLM_BATCH_INVARIANT" not in engine_env(cpu=False)
+    assert "VLLM_BATCH_INVARIANT" not in demo_engine_env("extract", cpu=False, deterministic=False)
     # The CPU build has no batch-invariant kernels: the capture fixes each call's forwards.
-    cpu = engine_env(reserved_cpus=1, cpu=True, deterministic=True)
+    cpu = demo_engine_env(
+        "extract", reserved_cpus=1, kv_cache_memory_bytes=None, cpu=True, deterministic=True
+    )
     assert cpu == cpu_engine_env(1)
     assert "no batch-invariant kernels" in deterministic_summary(cpu)

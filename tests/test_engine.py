@@ -25,7 +25,7 @@ def broken_target(tmp_path_factory, smollm2_dir: Path) -> Path:
 
 @pytest.mark.vllm
 def test_failed_start_names_the_engines_own_error(broken_target: Path):
-    from config_support import demo_engine_settings
+    from config_support import demo_engine_settings, make_engine_arguments
 
     from draftflow.corpus.regenerate import make_engine
     from draftflow.engine import EngineStartError
@@ -34,7 +34,7 @@ def test_failed_start_names_the_engines_own_error(broken_target: Path):
         "regenerate", max_model_len=64, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 24
     )
     with pytest.raises(EngineStartError) as raised:
-        make_engine(broken_target, engine, seed=0, trust_remote_code=False)
+        make_engine(broken_target, engine, **make_engine_arguments())
     message = str(raised.value)
     print(message)
     assert str(broken_target) in message
@@ -127,12 +127,14 @@ def test_an_engine_left_to_choose_its_dtype_runs_float32_on_a_cpu_without_bf16(s
     """The prepared target is a bf16 checkpoint: vLLM would run it in bf16, which a CPU without
     native bf16 emulates (7x slower prefill); start_engine runs it in float32 there."""
     import torch
+    from config_support import demo_engine_env, demo_engine_kwargs
 
-    from draftflow.engine import engine_env, engine_kwargs, shutdown_engine, start_engine
+    from draftflow.engine import shutdown_engine, start_engine
     from draftflow.hardware import cpu_has_native_bf16
 
-    kwargs = engine_kwargs(smollm2_dir, max_model_len=64, kv_cache_memory_bytes=1 << 24)
-    llm = start_engine(kwargs, engine_env(reserved_cpus=1))
+    cache = {"kv_cache_memory_bytes": 1 << 24}
+    kwargs = demo_engine_kwargs(smollm2_dir, max_model_len=64, **cache)
+    llm = start_engine(kwargs, demo_engine_env("regenerate", reserved_cpus=1, **cache))
     try:
         dtype = llm.llm_engine.model_config.dtype
     finally:

@@ -73,8 +73,8 @@ def test_llama_3_1_8b_shape_and_estimates():
     assert llama.weight_bytes("bfloat16") == 2 * parameters  # 16.06 GB
     assert round(llama.weight_bytes("bfloat16") / 1e9, 2) == 16.06
     # 2 (K and V) x 32 layers x 8 heads x 128 x 2 bytes = 128 KiB a token.
-    assert llama.kv_bytes_per_token("bfloat16") == 128 * 1024
-    assert llama.kv_bytes_per_token("fp8") == 64 * 1024
+    assert llama.kv_bytes_per_token("bfloat16", 1) == 128 * 1024
+    assert llama.kv_bytes_per_token("fp8", 1) == 64 * 1024
     # Tensor parallel 8: one KV head per GPU; 16: the heads are replicated, still one per GPU.
     assert llama.kv_bytes_per_token("bfloat16", 8) == 16 * 1024
     assert llama.kv_bytes_per_token("bfloat16", 16) == 16 * 1024
@@ -86,7 +86,7 @@ def test_kimi_k2_5_shape_through_its_text_config():
     assert (kimi.num_layers, kimi.hidden_size, kimi.vocab_size) == (61, 7168, 163840)
     assert kimi.mla_latent == 512 + 64
     # MLA: one latent per layer, the same on every tensor parallel rank.
-    assert kimi.kv_bytes_per_token("bfloat16") == 576 * 61 * 2 == 70272
+    assert kimi.kv_bytes_per_token("bfloat16", 1) == 576 * 61 * 2 == 70272
     assert kimi.kv_bytes_per_token("bfloat16", 8) == 70272
     # 1 dense layer + 60 MoE layers of 384 routed experts and one shared: about 1.03T.
     routed = 60 * 384 * 3 * 7168 * 2048
@@ -112,7 +112,7 @@ def test_kimi_k2_5_shape_through_its_text_config():
 def test_other_real_targets(name, parameters):
     target = shape(name)
     assert abs(target.parameters - parameters) / parameters < 0.005
-    assert target.kv_bytes_per_token("bfloat16") == (
+    assert target.kv_bytes_per_token("bfloat16", 1) == (
         2 * target.num_layers * target.num_kv_heads * target.head_dim * 2
     )
 

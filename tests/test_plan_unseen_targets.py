@@ -67,7 +67,7 @@ def test_gpt_oss_mxfp4_experts_and_sliding_window():
     assert (gpt.full_attention_layers, gpt.windowed_layers, gpt.attention_window) == (18, 18, 128)
     # Per layer and token: K and V of 8 heads of 64 in bf16 = 2 KiB.
     layer_token = 2 * 8 * 64 * 2
-    assert gpt.kv_bytes_per_token("bfloat16") == 36 * layer_token  # windows counted as full
+    assert gpt.kv_bytes_per_token("bfloat16", 1) == 36 * layer_token  # windows counted as full
     # One 8192-token sequence with 2048 tokens in flight: the full layers hold it all, vLLM
     # reserves 127 + 2048 tokens of the sliding ones; with the extract engine's budget (16384
     # tokens, two batches) every token, as without in_flight_tokens.
@@ -75,8 +75,8 @@ def test_gpt_oss_mxfp4_experts_and_sliding_window():
         18 * 8192 + 18 * (127 + 2048)
     )
     assert gpt.kv_bytes_per_sequence("bfloat16", 4097, 1, 2 * 16384) == 36 * 4097 * layer_token
-    assert gpt.kv_bytes_per_sequence("bfloat16", 4097) == 36 * 4097 * layer_token
-    assert gpt.kv_bytes_per_token("bfloat16", 1, 8192, 2048) < gpt.kv_bytes_per_token("bfloat16")
+    assert gpt.kv_bytes_per_sequence("bfloat16", 4097, 1) == 36 * 4097 * layer_token
+    assert gpt.kv_bytes_per_token("bfloat16", 1, 8192, 2048) < gpt.kv_bytes_per_token("bfloat16", 1)
 
 
 def test_gemma_3_keys_left_to_its_config_class():
@@ -124,16 +124,35 @@ def test_qwen3_next_linear_attention():
     # full_attention_interval 4: three Gated DeltaNet layers, then one full attention layer.
     assert (qwen.full_attention_layers, qwen.linear_attention_layers) == (12, 36)
     # Per token only the full layers: 2 KV heads of 256.
-    assert qwen.kv_bytes_per_token("bfloat16") == 12 * 2 * 2 * 256 * 2
+    assert qwen.kv_bytes_per_token("bfloat16", 1) == 12 * 2 * 2 * 256 * 2
     # Per sequence each linear layer keeps its conv inputs (3 of them) and a recurrent state of
     # 32 value heads x 128 x 128.
     state = (2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128
     assert qwen.linear_state_elements == state
     tokens = 1000
-    assert qwen.kv_bytes_per_sequence("bfloat16", tokens) == (
-        tokens * qwen.kv_bytes_per_token("bfloat16") + 36 * state * 2
+    assert qwen.kv_bytes_per_sequence("bfloat16", tokens, 1) == (
+        tokens * qwen.kv_bytes_per_token("bfloat16", 1) + 36 * state * 2
     )
-    assert qwen.kv_bytes_per_token("bfloat16", 1, tokens) > qwen.kv_bytes_per_token("bfloat16")
+    assert qwen.kv_bytes_per_token("bfloat16", 1, tokens) > qwen.kv_bytes_per_token("bfloat16", 1)
+
+
+def test_qwen3_next_engines_count_each_sequence_state():
+    """The plan's bytes per token are the mean over one context-long sequence, so a cache that
+    holds one sequence by them holds its linear-attention states too."""
+    config = load_config(UNSEEN / "qwen3-next-80b-a3b.yaml")
+    qwen = shape("qwen3-next-80b-a3b")
+    plain = [
+        engine
+        for engine in plan_engines(config, qwen, H100).engines
+        if "speculative_config" not in engine.kwargs  # a draft adds its own layers
+    ]
+    assert {engine.stage for engine in plain} >= {"extract", "bench"}
+    for engine in plain:
+        tp, context = engine.tensor_parallel_size, engine.max_model_len
+        assert engine.kv_bytes_per_token == qwen.kv_bytes_per_token(engine.dtype, tp, context)
+        sequence = qwen.kv_bytes_per_sequence(engine.dtype, context, tp)
+        assert context * engine.kv_bytes_per_token >= sequence
+        assert engine.kv_bytes_per_token > qwen.kv_bytes_per_token(engine.dtype, tp)
 
 
 def test_mixtral():

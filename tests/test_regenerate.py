@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from config_support import demo_engine_settings, regenerate_settings
+from config_support import demo_engine_settings, make_engine_arguments, regenerate_settings
 
 from draftflow.corpus.regenerate import (
     PROGRESS_FORMAT,
@@ -78,7 +78,7 @@ def test_make_engine_shards_the_target_over_the_jobs_gpus(monkeypatch, tmp_path:
             reserved_cpus=None,  # the environment restored above is vLLM's default's
             tensor_parallel_size=tensor_parallel_size,
         )
-        make_engine(tmp_path, engine, seed=0, trust_remote_code=False)
+        make_engine(tmp_path, engine, **make_engine_arguments())
     assert "tensor_parallel_size" not in seen[0]
     assert seen[1]["tensor_parallel_size"] == 2
 
@@ -92,7 +92,7 @@ def llm(smollm2_dir: Path):
         kv_cache_memory_bytes=64 << 20,  # ~2800 tokens of SmolLM2 KV cache: plenty here
         reserved_cpus=None,
     )
-    engine = make_engine(smollm2_dir, settings, seed=0, trust_remote_code=False)
+    engine = make_engine(smollm2_dir, settings, **make_engine_arguments())
     yield engine
     # Stop the engine process now, while pytest's log capture is still open.
     engine.llm_engine.engine_core.shutdown()
@@ -107,6 +107,7 @@ def run(llm, tmp_path: Path, settings: RegenerateSettings = SETTINGS, **kwargs) 
         summary=tmp_path / "regenerated.summary.json",
         progress=tmp_path / "regenerated.progress.jsonl",
         run_fingerprint=kwargs.pop("run_fingerprint", "fp-1"),
+        max_model_len=MAX_MODEL_LEN,  # the llm fixture's context
         **kwargs,
     )
 
@@ -403,6 +404,7 @@ def test_tool_conversation_regenerated_turn_by_turn(llm, tmp_path: Path) -> None
         summary=tmp_path / "summary.json",
         progress=tmp_path / "progress.jsonl",
         run_fingerprint="tools",
+        max_model_len=MAX_MODEL_LEN,
     )
     [out] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     source = TOOL_CONVERSATION["messages"]
@@ -441,6 +443,7 @@ def test_tool_template_prompts_carry_tools_and_the_thinking_switch(
         summary=tmp_path / "summary.json",
         progress=tmp_path / "progress.jsonl",
         run_fingerprint="qwen3",
+        max_model_len=MAX_MODEL_LEN,
     )
     [out] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     prompt = tokenizer.apply_chat_template(

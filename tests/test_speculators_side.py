@@ -127,7 +127,6 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     from transformers import AutoTokenizer
 
     from draftflow.capture.layers import capture_layers
-    from draftflow.engine import engine_env
     from draftflow.engine_settings import engine_settings
 
     stages = side.Stages(tiny_pipeline, tmp_path / "side", 8997, 1, TINY_CONFIG)
@@ -158,7 +157,7 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
         },
     )
     data = tmp_path / "side" / "data"
-    env = engine_env(reserved_cpus=extract.reserved_cpus)  # as the data stage starts it
+    env = side.server_env(extract)  # as the data stage starts it
     with side.vllm_server(command, 8997, tmp_path / "server.log", env) as url:
         side.speculators_cli(
             "prepare-data",

@@ -20,6 +20,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,18 +38,20 @@ def engine_kwargs(
     *,
     max_model_len: int,
     max_num_seqs: int,
-    gpu_memory_utilization: float | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    dtype: str = "bfloat16",
-    seed: int = 0,
-    enforce_eager: bool = True,
-    trust_remote_code: bool = False,
-    tensor_parallel_size: int = 1,
-    extra: dict[str, Any] | None = None,
+    gpu_memory_utilization: float | None,
+    kv_cache_memory_bytes: int | None,
+    dtype: str,
+    seed: int,
+    enforce_eager: bool,
+    trust_remote_code: bool,
+    tensor_parallel_size: int,
+    extra: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM``: identical for every k except the speculative config.
 
-    The shared part (KV cache, tensor parallelism, eager mode) comes from ``draftflow.engine``.
+    Every setting is the bench config's (``draftflow.bench.run.engine_arguments``); none has a
+    default. The shared part (KV cache, tensor parallelism, eager mode) comes from
+    ``draftflow.engine``.
     """
     if k < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0 (0 = plain target), got {k}")
@@ -69,7 +72,7 @@ def engine_kwargs(
             "max_num_seqs": max_num_seqs,
             # The spec-decode counters exist only with stats logging on.
             "disable_log_stats": False,
-            **(extra or {}),
+            **extra,
         },
     )
     if k > 0:

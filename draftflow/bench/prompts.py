@@ -114,9 +114,9 @@ def _hash_rank(prompt_id: str, seed: int) -> str:
 
 
 def select_subset(
-    prompts: list[dict[str, Any]], limit: int | None, order: str = "file", seed: int = 0
+    prompts: list[dict[str, Any]], limit: int | None, order: str, seed: int
 ) -> list[dict[str, Any]]:
-    """Deterministic subset of ``limit`` prompts.
+    """Deterministic subset of ``limit`` prompts (a bench.datasets entry's limit, order, seed).
 
     ``file``: the first ``limit`` in file order. ``hash``: the ``limit`` prompts whose
     sha1(seed:id) ranks lowest, kept in file order, so growing ``limit`` only adds prompts.
@@ -137,12 +137,14 @@ def load_prompts(
     kind: str,
     path: str,
     dataset: str,
-    limit: int | None = None,
-    order: str = "file",
-    seed: int = 0,
-    max_turns: int | None = None,
+    *,
+    limit: int | None,
+    order: str,
+    seed: int,
+    max_turns: int | None,
 ) -> list[dict[str, Any]]:
-    """Read a prompt set of ``kind`` from ``path`` (plain or ``pkg:``) and normalise it."""
+    """Read a prompt set of ``kind`` from ``path`` (plain or ``pkg:``) and normalise it; its
+    bench.datasets entry's limit, order and seed, and bench.max_turns (no defaults here)."""
     source = resolve_path(path)
     records = _read_jsonl(source)
     if kind == "mtbench":

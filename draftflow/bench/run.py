@@ -26,13 +26,16 @@ from draftflow.bench.schedule import (
     engine_starts,
 )
 from draftflow.bench.settings import BenchSettings
-from draftflow.engine import engine_env
+from draftflow.engine import engine_env, on_cpu_build
 from draftflow.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
 # The directory holding the draftflow package, so the engine process imports the same code.
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
+# Not a config key: the bench engines run without CUDA graphs (bench.engine_args may say
+# otherwise: they are applied last).
+ENFORCE_EAGER = True
 
 
 def measure_differences(
@@ -69,11 +72,17 @@ def engine_environment(request: dict[str, Any]) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     # On the CPU build: the same reserved scheduler cores and matching thread counts for every
     # engine, so runs compare (and the worker's core isn't oversubscribed); spawn on GPUs.
+    # The engines' own arguments (engine_kwargs leaves out a tensor_parallel_size of 1 and an
+    # unset KV-cache size); the bench has no model runner or determinism keys.
     first = next(iter(request["engines"].values()))
-    tensor_parallel_size = int(first.get("tensor_parallel_size", 1))
     env.update(
         engine_env(
-            reserved_cpus=request["reserved_cpus"], tensor_parallel_size=tensor_parallel_size
+            reserved_cpus=request["reserved_cpus"],
+            model_runner="default",
+            kv_cache_memory_bytes=first.get("kv_cache_memory_bytes"),
+            tensor_parallel_size=int(first.get("tensor_parallel_size", 1)),
+            cpu=on_cpu_build(),
+            deterministic=False,
         )
     )
     return env
@@ -89,6 +98,7 @@ def engine_arguments(settings: BenchSettings) -> dict[str, Any]:
         "kv_cache_memory_bytes": engine.kv_cache_memory_bytes,
         "dtype": engine.dtype,
         "seed": settings.seed,
+        "enforce_eager": ENFORCE_EAGER,
         "trust_remote_code": settings.trust_remote_code,
         "tensor_parallel_size": engine.tensor_parallel_size,
         "extra": dict(engine.engine_args),

@@ -76,6 +76,9 @@ ENGINE_SETTINGS = (
     "kv_cache_memory_bytes",
     "reserved_cpus",
 )
+# Not a config key: the engine runs without CUDA graphs (faster start; corpus.regenerate has no
+# engine_args to say otherwise).
+ENFORCE_EAGER = True
 # Per-conversation counters of tool use and reasoning, summed in the summary.
 TOOL_STATS = ("tool_calls", "unparsed_tool_calls", "tool_calls_diverged", "reasoning_turns")
 
@@ -124,7 +127,7 @@ def make_engine(
     ``tensor_parallel_size``: GPUs the engine shards the target over (the job's leased GPUs).
     The prepared checkpoint's dtype is ``engine.dtype`` already.
     """
-    from draftflow.engine import engine_env, engine_kwargs, start_engine
+    from draftflow.engine import engine_env, engine_kwargs, on_cpu_build, start_engine
 
     kwargs = engine_kwargs(
         model_dir,
@@ -134,16 +137,19 @@ def make_engine(
         tensor_parallel_size=engine.tensor_parallel_size,
         seed=seed,
         trust_remote_code=trust_remote_code,
+        enforce_eager=ENFORCE_EAGER,
         extra=engine.engine_args,
     )
+    # corpus.regenerate has no model runner or determinism keys: vLLM's own choices.
     env = engine_env(
-        reserved_cpus=engine.reserved_cpus, tensor_parallel_size=engine.tensor_parallel_size
+        reserved_cpus=engine.reserved_cpus,
+        model_runner="default",
+        kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        cpu=on_cpu_build(),
+        deterministic=False,
     )
     return start_engine(kwargs, env)
-
-
-def engine_max_model_len(llm: Any) -> int:
-    return int(llm.llm_engine.model_config.max_model_len)
 
 
 # ------------------------------------------------------------------ planning
@@ -438,12 +444,13 @@ def regenerate(
     summary: str | os.PathLike[str],
     progress: str | os.PathLike[str],
     run_fingerprint: str,
-    max_model_len: int | None = None,
+    max_model_len: int,
     after_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Regenerate every conversation, resuming from ``progress``; write output and summary.
 
-    ``after_batch(n)`` is called after the n-th batch of this run is durable (tests use it to
+    ``max_model_len``: the engine's context (``engine_settings(config, "regenerate")``), which
+    bounds every prompt plus its answer. ``after_batch(n)`` is called after the n-th batch of this run is durable (tests use it to
     stop a run the way a crash would).
     """
     if settings.batch_size < 1:
@@ -451,7 +458,6 @@ def regenerate(
     ids = [conversation["id"] for conversation in conversations]
     if len(set(ids)) != len(ids):
         raise ValueError("conversation ids must be unique (run ingest first)")
-    max_model_len = max_model_len or engine_max_model_len(llm)
     progress = Path(progress)
     progress.parent.mkdir(parents=True, exist_ok=True)
 

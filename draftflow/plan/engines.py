@@ -125,6 +125,7 @@ def _stage_kwargs(config: Mapping[str, Any], stage: str, settings: EngineSetting
     trust = bool(config["target"]["trust_remote_code"])
     if stage == "regenerate":
         # draftflow.corpus.regenerate.make_engine's arguments.
+        from draftflow.corpus.regenerate import ENFORCE_EAGER
         from draftflow.engine import engine_kwargs
 
         return engine_kwargs(
@@ -135,6 +136,7 @@ def _stage_kwargs(config: Mapping[str, Any], stage: str, settings: EngineSetting
             tensor_parallel_size=settings.tensor_parallel_size,
             seed=int(config["corpus"]["regenerate"]["seed"]),
             trust_remote_code=trust,
+            enforce_eager=ENFORCE_EAGER,
             extra=settings.engine_args,
         )
     if stage == "extract":
@@ -170,7 +172,9 @@ def plan_engine(
     kv_dtype = kv_cache_dtype(settings)
     max_model_len = settings.max_model_len + (1 if stage == "extract" else 0)
     weights = shape.weight_bytes(settings.dtype)
-    per_token = shape.kv_bytes_per_token(kv_dtype, tp)
+    # The mean over one max_model_len sequence: linear-attention layers (Qwen3-Next) hold a
+    # state per sequence, not per token.
+    per_token = shape.kv_bytes_per_token(kv_dtype, tp, context=max_model_len)
     if k:
         draft_layers = int(config["train"]["num_layers"])
         aux = len(config["extract"]["aux_layers"] or ()) or DEFAULT_AUX_LAYERS

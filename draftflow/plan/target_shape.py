@@ -187,7 +187,7 @@ class TargetShape:
     def kv_bytes_per_token(
         self,
         kv_dtype: str,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int,
         context: int | None = None,
         in_flight_tokens: int | None = None,
     ) -> int:
@@ -208,7 +208,7 @@ class TargetShape:
         self,
         kv_dtype: str,
         tokens: int,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int,
         in_flight_tokens: int | None = None,
     ) -> int:
         """KV-cache bytes one ``tokens``-long sequence takes on each device: full layers hold

@@ -131,7 +131,7 @@ def test_native_matches_hf(runner, smollm2_dir, layers, hf_reference):
 
 def test_regenerate_engine_starts_after_cuda_was_used(smollm2_dir, hf_reference):
     """The fork crash: a driver with a CUDA context (hf_reference) starting a generation engine."""
-    from config_support import demo_engine_settings
+    from config_support import demo_engine_settings, make_engine_arguments
     from vllm import SamplingParams
 
     from draftflow.corpus.regenerate import make_engine
@@ -146,7 +146,7 @@ def test_regenerate_engine_starts_after_cuda_was_used(smollm2_dir, hf_reference)
         kv_cache_memory_bytes=None,
         reserved_cpus=None,
     )
-    llm = make_engine(smollm2_dir, engine, seed=0, trust_remote_code=False)
+    llm = make_engine(smollm2_dir, engine, **make_engine_arguments())
     try:
         (output,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
         assert len(output.outputs[0].token_ids) == 8

@@ -121,6 +121,21 @@ def capture_engine_kwargs(
     )
 
 
+def capture_engine_env(settings: CaptureEngineSettings, model_runner: str) -> dict[str, str]:
+    """The environment every capture engine (hooks, native) starts with; ``model_runner``: the
+    backend's (``settings.model_runner``, or the one native resolves it to)."""
+    from draftflow.engine import engine_env, on_cpu_build
+
+    return engine_env(
+        reserved_cpus=settings.reserved_cpus,
+        model_runner=model_runner,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        tensor_parallel_size=settings.tp_size,
+        cpu=on_cpu_build(),
+        deterministic=settings.deterministic,
+    )
+
+
 def resolve_backend(name: str, vllm_version: str | None = None) -> str:
     """The concrete backend for ``name`` (``auto`` picks from the installed vLLM)."""
     if name not in BACKENDS:

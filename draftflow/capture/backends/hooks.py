@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from draftflow.capture.adapters import check_hooks_version
-from draftflow.capture.backends import CaptureEngineSettings, capture_engine_kwargs
+from draftflow.capture.backends import (
+    CaptureEngineSettings,
+    capture_engine_env,
+    capture_engine_kwargs,
+)
 from draftflow.capture.quant import Quantized
 from draftflow.capture.recorder import RequestFile, map_request_file
 from draftflow.capture.worker_extension import FILE_KEY
 from draftflow.engine import (
-    engine_env,
     engine_failure,
     generate_as_one_call,
     hold_first_step,
@@ -132,13 +135,7 @@ class HooksBackend:
         self._tmp = tempfile.TemporaryDirectory(
             prefix="draftflow-capture-", dir=capture_tmp_root(), ignore_cleanup_errors=True
         )
-        env = engine_env(
-            reserved_cpus=settings.reserved_cpus,
-            model_runner=settings.model_runner,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            tensor_parallel_size=settings.tp_size,
-            deterministic=settings.deterministic,
-        )
+        env = capture_engine_env(settings, settings.model_runner)
         self.llm = start_engine(
             {"worker_extension_cls": EXTENSION, **capture_engine_kwargs(model_dir, settings)}, env
         )

@@ -23,11 +23,14 @@ from pathlib import Path
 import torch
 from packaging.version import Version
 
-from draftflow.capture.backends import CaptureEngineSettings, capture_engine_kwargs
+from draftflow.capture.backends import (
+    CaptureEngineSettings,
+    capture_engine_env,
+    capture_engine_kwargs,
+)
 from draftflow.capture.layers import text_config
 from draftflow.engine import (
     describe_model,
-    engine_env,
     engine_failure,
     generate_as_one_call,
     hold_first_step,
@@ -137,13 +140,7 @@ class NativeBackend:
         }
         # The KV connector makes the CPU build keep no scheduler core unless told.
         runner = native_model_runner(settings.model_runner, self.vllm_version)
-        env = engine_env(
-            reserved_cpus=settings.reserved_cpus,
-            model_runner=runner,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            tensor_parallel_size=settings.tp_size,
-            deterministic=settings.deterministic,
-        )
+        env = capture_engine_env(settings, runner)
         self.llm = start_engine(kwargs, env)
         self.hold_first_step = hold_first_step(self.llm, env, settings.deterministic)
         self.last_stats: dict = {}

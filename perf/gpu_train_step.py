@@ -143,10 +143,11 @@ def make_job(root: Path, args: argparse.Namespace, tag: str = "run"):
     from draftflow.train.settings import TrainSettings
 
     # The demo's train section (config/demo.yaml) with this measurement's settings.
+    config = load_config(DEMO_CONFIG)
     settings = from_section(
         TrainSettings,
         {
-            **load_config(DEMO_CONFIG)["train"],
+            **config["train"],
             "num_layers": 1,
             "ttt_steps": args.ttt_steps,
             "tokens_per_batch": args.tokens_per_batch,
@@ -171,6 +172,7 @@ def make_job(root: Path, args: argparse.Namespace, tag: str = "run"):
         metrics_path=str(root / tag / "metrics.jsonl"),
         checkpoint_dir=str(root / tag / "checkpoints"),
         settings=settings,
+        trust_remote_code=config["target"]["trust_remote_code"],
     )
 
 
@@ -236,6 +238,7 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
         ttt_steps=settings.ttt_steps,
         attn_impl="simple_flex_attention",
         variant=settings.variant,
+        trust_remote_code=job.trust_remote_code,
     ).to(device)
     # speculators' own builder (foreach AdamW), as its trainer calls it.
     options = {"optimizer": "adamw", "lr": settings.lr, "weight_decay": settings.weight_decay}
@@ -245,7 +248,8 @@ def run_speculators(root: Path, args: argparse.Namespace) -> dict:
         "ttt_step_loss_decay": 1.0,
         "loss_config": resolve_loss_config("kl_div", args.loss_impl),
     }
-    plan = TrainPlan(shards, settings.tokens_per_batch, 1, 0)
+    # One epoch, seed 0, one rank, no step limit: only its first batches are kept resident.
+    plan = TrainPlan(shards, settings.tokens_per_batch, 1, 0, 1, None, settings.order)
     resident = [
         {
             k: v.to(device)

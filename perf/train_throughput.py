@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> None:
             store_dtype=args.store_dtype,
         )
         # The demo's train section (config/demo.yaml) with this measurement's sizes.
+        config = load_config(DEMO_CONFIG)
         settings = from_section(
             TrainSettings,
             {
-                **load_config(DEMO_CONFIG)["train"],
+                **config["train"],
                 "num_layers": args.num_layers,
                 "ttt_steps": args.ttt_steps,
                 "tokens_per_batch": args.tokens_per_batch,
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics_path=str(root / "metrics.jsonl"),
             checkpoint_dir=str(root / "checkpoints"),
             settings=settings,
+            trust_remote_code=config["target"]["trust_remote_code"],
         )
         launch(job, args.gpus)
         steps = [r for r in read_metrics(job.metrics_path) if r["kind"] == "train"]

@@ -221,6 +221,7 @@ def data(args: argparse.Namespace) -> None:
         work / "token_freq.safetensors",
         work / "tokenize.json",
         settings,
+        trust_remote_code=config["target"]["trust_remote_code"],
     )
     splits = {name: work / f"{name}.parquet" for name in ("train", "val", "test")}
     split_summary = split_samples(
@@ -323,6 +324,7 @@ def train(args: argparse.Namespace) -> None:
             metrics_path=str(run / "metrics.jsonl"),
             checkpoint_dir=str(run / "checkpoints"),
             settings=settings,
+            trust_remote_code=config["target"]["trust_remote_code"],
         )
         began = time.perf_counter()
         launch(job, 1 if device == "cuda" else 0)

@@ -179,8 +179,8 @@ def train(args: argparse.Namespace) -> None:
     from draftflow.train.settings import TrainSettings
 
     data = unpack(args.data, args.work)
-    section = load_config(DEMO_CONFIG)["train"]
-    settings = from_section(TrainSettings, section, "train")
+    config = load_config(DEMO_CONFIG)
+    settings = from_section(TrainSettings, config["train"], "train")
     overrides = {"device": args.device, "threads": args.threads}
     if args.epochs is not None:
         overrides["epochs"] = args.epochs
@@ -199,6 +199,7 @@ def train(args: argparse.Namespace) -> None:
         metrics_path=str(run / "metrics.jsonl"),
         checkpoint_dir=str(run / "checkpoints"),
         settings=settings,
+        trust_remote_code=config["target"]["trust_remote_code"],
     )
     began = time.perf_counter()
     launch(job, 1 if args.device == "cuda" else 0)

@@ -237,6 +237,7 @@ def phase_train(args: argparse.Namespace) -> dict:
         metrics_path=str(work / "metrics.jsonl"),
         checkpoint_dir=str(work / "checkpoints"),
         settings=settings,
+        trust_remote_code=config["target"]["trust_remote_code"],
     )
     began = time.monotonic()
     summary = train(job)

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from config_support import demo_config
 
-from draftflow.bench.stats import QUANTITIES, Grid, Interval, best_or_tie, intervals
+from draftflow.bench.stats import QUANTITIES, Grid, Interval, best_or_tie
+from draftflow.bench.stats import intervals as bootstrap_intervals
+
+
+def intervals(grids, **changes):
+    """The intervals drawn as the demo's config says (bench.bootstrap_samples, confidence,
+    seed), with ``changes``."""
+    bench = demo_config()["bench"]
+    drawn = {
+        "samples": bench["bootstrap_samples"],
+        "confidence": bench["confidence"],
+        "seed": bench["seed"],
+    }
+    return bootstrap_intervals(grids, **{**drawn, **changes})
 
 
 def grid(seconds, tokens=100.0, drafts=0.0, accepted=0.0) -> Grid:

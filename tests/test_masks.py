@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from config_support import split_settings, tokenize_settings
+from config_support import demo_config, split_settings, tokenize_settings
 from mask_support import masked_runs
 from safetensors.numpy import load_file
 
@@ -293,6 +293,7 @@ def run_tokenize(out: Path, corpus: Path, target: Path, **settings) -> tuple[dic
         out / "summary.json",
         # The demo's settings, but long enough that no sample here is cut unless a test says so.
         tokenize_settings(**{"max_length": 2048, **settings}),
+        trust_remote_code=demo_config()["target"]["trust_remote_code"],
     )
     table = pq.read_table(out / "samples.parquet")
     freq = load_file(str(out / "token_freq.safetensors"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from config_support import split_settings, tokenize_settings
+from config_support import demo_config, split_settings, tokenize_settings
 from mask_support import masked_runs
 
 from draftflow.data.masks import ChatTemplateMasker
@@ -258,6 +258,7 @@ def test_tokenize_passes_tools_and_skips_turns_a_template_drops(
             tmp_path / f"{name}.safetensors",
             tmp_path / f"{name}.json",
             tokenize_settings(max_length=1024, split=split_settings(val_fraction=0.0)),
+            trust_remote_code=demo_config()["target"]["trust_remote_code"],
         )
         if name == "qwen3":
             assert summary["samples"] == 2

@@ -284,6 +284,7 @@ def tokenize(tmp_path: Path, tokenizer, name: str, records: list[dict]) -> tuple
             split=SplitSettings(seed=0, val_fraction=0.0, test_fraction=0.0),
             enable_thinking=None,
         ),
+        trust_remote_code=False,  # a tokenizer saved here: no code of its own
     )
     assert json.loads((tmp_path / f"{name}.json").read_text()) == summary
     return summary, pq.read_table(tmp_path / f"{name}.parquet").column("id").to_pylist()

@@ -77,7 +77,9 @@ def _lengths(shards: int, seed: int = 0) -> list[list[int]]:
 def test_by_shard_plan_runs_each_epoch_shard_by_shard(world_size):
     lengths = _lengths(4)
     planned = ShardLengths(lengths)
-    plan = TrainPlan(planned, 128, epochs=2, seed=3, world_size=world_size, order="by_shard")
+    plan = TrainPlan(
+        planned, 128, epochs=2, seed=3, world_size=world_size, max_steps=None, order="by_shard"
+    )
     step = 0
     for link in link_chain(4, 2, seed=3):
         start, end = plan.span(link.epoch, link.shard)
@@ -99,7 +101,7 @@ def test_by_shard_plan_runs_each_epoch_shard_by_shard(world_size):
 def test_global_plan_is_unchanged_by_the_orders():
     """order global: one shuffle over every shard each epoch, as before by_shard existed."""
     planned = ShardLengths(_lengths(3, seed=1))
-    plan = TrainPlan(planned, 128, epochs=2, seed=7)
+    plan = TrainPlan(planned, 128, epochs=2, seed=7, world_size=1, max_steps=None, order="global")
     steps = 0
     for epoch in range(2):
         batches = pack(planned.samples, epoch_order(len(planned.samples), 7, epoch), 128)

@@ -187,6 +187,7 @@ def _job(store, out: Path, **settings) -> TrainJob:
         metrics_path=str(out / "metrics.jsonl"),
         checkpoint_dir=str(out / "checkpoints"),
         settings=train_settings(**base),
+        trust_remote_code=demo_config()["target"]["trust_remote_code"],
     )
 
 
@@ -431,7 +432,10 @@ def test_data_parallel_over_two_ranks(trained, tiny_store, tmp_path):
     records = read_metrics(job.metrics_path)
     steps = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    plan = TrainPlan(CaptureSet(job.train_shards), 128, 1, 0, world_size=2, max_steps=4)
+    s = job.settings  # the plan the two ranks trained on
+    plan = TrainPlan(
+        CaptureSet(job.train_shards), s.tokens_per_batch, s.epochs, s.seed, 2, s.max_steps, s.order
+    )
     for step, record in enumerate(steps):
         both = [min(128, sum(r.num_tokens - 1 for r in plan.batch(step, rank))) for rank in (0, 1)]
         assert record["tokens"] == sum(both)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from config_support import demo_config
 from safetensors.torch import load_file, save_file
 
 from draftflow.train.vocab import (
@@ -94,6 +95,7 @@ def test_draft_lm_head_rows_are_the_targets_rows_for_the_draft_vocab(smollm2_dir
         ttt_steps=3,
         attn_impl="sdpa",
         variant="eagle3",
+        trust_remote_code=demo_config()["target"]["trust_remote_code"],
     )
     rows = embed[draft_to_target_ids(d2t)]  # SmolLM2 ties lm_head to the embeddings
     assert torch.equal(model.lm_head.weight.to(rows.dtype), rows)

@@ -115,11 +115,12 @@ def _weights(rng: np.random.Generator, draws: int, size: int) -> np.ndarray:
 def intervals(
     grids: Mapping[int, Grid],
     *,
-    samples: int = 2000,
-    confidence: float = 0.95,
-    seed: int = 0,
+    samples: int,
+    confidence: float,
+    seed: int,
 ) -> dict[int, dict[str, Interval]]:
-    """Per k: tokens/s, tpot_ms, speedup and acceptance_length, each with its interval.
+    """Per k: tokens/s, tpot_ms, speedup and acceptance_length, each with its interval, drawn
+    as the config says (bench.bootstrap_samples, confidence, seed; no defaults here).
 
     ``grids`` holds every configuration of one prompt set (k = 0, the plain target, among them),
     all over the same units and repeats.

@@ -126,9 +126,11 @@ def tokenize_corpus(
     token_freq_path: str | os.PathLike[str],
     summary_path: str | os.PathLike[str],
     settings: TokenizeSettings,
-    trust_remote_code: bool = False,
+    *,
+    trust_remote_code: bool,
 ) -> dict:
-    """Tokenize every conversation; write samples, train token counts and a summary."""
+    """Tokenize every conversation; write samples, train token counts and a summary
+    (``trust_remote_code``: target.trust_remote_code)."""
     tokenizer = load_target_tokenizer(target_dir, trust_remote_code)
     masker = ChatTemplateMasker(tokenizer, settings.template_kwargs())
     vocab_size = target_vocab_size(target_dir, tokenizer)

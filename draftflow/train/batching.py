@@ -12,7 +12,7 @@ from draftflow.train.distributed import Placement, uses_bf16
 from draftflow.train.settings import TrainSettings
 
 
-def hidden_dtype(placement: Placement, precision: str = "auto") -> torch.dtype:
+def hidden_dtype(placement: Placement, precision: str) -> torch.dtype:
     # The store holds bf16 (or fp8, dequantized to this); a model trained in fp32 gets fp32 inputs.
     return torch.bfloat16 if uses_bf16(placement.device, precision) else torch.float32
 
@@ -82,7 +82,7 @@ def train_batches(
 
 
 def to_device(
-    batch: dict[str, torch.Tensor], placement: Placement, precision: str = "auto"
+    batch: dict[str, torch.Tensor], placement: Placement, precision: str
 ) -> dict[str, torch.Tensor]:
     """Copy a batch to the device; fp8 states kept by ``collate`` are dequantized there."""
     moved = {k: v.to(placement.device, non_blocking=True) for k, v in batch.items()}

@@ -179,9 +179,9 @@ class TrainPlan:
         tokens_per_batch: int,
         epochs: int,
         seed: int,
-        world_size: int = 1,
-        max_steps: int | None = None,
-        order: str = "global",
+        world_size: int,
+        max_steps: int | None,
+        order: str,
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"train.order {order!r} is not one of {ORDERS}")

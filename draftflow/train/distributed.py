@@ -57,7 +57,7 @@ def uses_bf16(device: torch.device, precision: str) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
 
 
-def autocast(device: torch.device, precision: str = "auto"):
+def autocast(device: torch.device, precision: str):
     # bf16 matmuls with fp32 weights and optimizer state; on CPUs with AMX a bf16 GEMM of the
     # draft's shape ran several times faster than in fp32.
     if uses_bf16(device, precision):

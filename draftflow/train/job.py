@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from draftflow.config import from_section
 from draftflow.io import read_json
@@ -22,8 +22,9 @@ class TrainJob:
     draft_dir: str
     metrics_path: str
     checkpoint_dir: str
-    settings: TrainSettings = field(default_factory=TrainSettings)
-    trust_remote_code: bool = False
+    settings: TrainSettings
+    # target.trust_remote_code
+    trust_remote_code: bool
     # Streamed mode (rules/stream.smk): this job is link ``link`` of the chain; ``train_shards``
     # is that link's one capture and ``stream_plan`` the stream plan's directory (every train
     # shard's sample lengths); ``marker_path`` the link's output.

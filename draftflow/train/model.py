@@ -43,7 +43,7 @@ def build_draft_model(
     ttt_steps: int,
     attn_impl: str,
     variant: str,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool,
 ) -> torch.nn.Module:
     """A fresh draft (decoder weights from the seeded RNG, the rest from the target).
 

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     from draftflow.capture.backends import CaptureEngineSettings, make_backend
     from draftflow.capture.layers import capture_layers
 
-    layers = capture_layers(args.model)
+    layers = capture_layers(args.model, None)  # no config: EAGLE-3's own aux layers
     prompts = make_prompts(args.lengths)
     settings = CaptureEngineSettings(
         max_model_len=max(args.lengths) + 1,

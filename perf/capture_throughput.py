@@ -51,7 +51,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from draftflow.capture.layers import capture_layers
 
     torch.set_num_threads(args.threads)
-    layers = capture_layers(args.model)
+    layers = capture_layers(args.model, None)  # no config: EAGLE-3's own aux layers
     prompts = make_prompts(args.prompts, args.length)
     settings = CaptureEngineSettings(
         max_model_len=args.length + 1,

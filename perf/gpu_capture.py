@@ -114,7 +114,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from draftflow.engine import shutdown_engine, start_engine
 
     model_dir = Path(args.root) / (args.model + ("-weights" if args.mode == "hf" else ""))
-    layers = capture_layers(model_dir)
+    layers = capture_layers(model_dir, None)  # no config: EAGLE-3's own aux layers
     prompts = make_prompts(args.prompts, args.length, SHAPES[args.model]["vocab_size"])
     runner = {"hooks-v1": "v1", "hooks-v2": "v2"}.get(args.mode, "default")
     settings = CaptureEngineSettings(

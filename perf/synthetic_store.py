@@ -21,7 +21,7 @@ def write_synthetic_store(
     length: int,
     draft_vocab: int,
     dtype: torch.dtype = torch.float32,
-    chunk_samples: int | None = None,
+    chunk_samples: int = 64,  # samples per chunk, as the extract stage's default chunks them
     seed: int = 0,
     store_dtype: str = "bfloat16",
 ) -> dict[str, list[str]]:
@@ -33,10 +33,9 @@ def write_synthetic_store(
     from draftflow.io import read_json
     from draftflow.train.vocab import write_vocab
 
-    layers = capture_layers(target)
+    layers = capture_layers(target, None)  # no config: EAGLE-3's own aux layers
     vocab_size = int(read_json(Path(target) / "config.json")["vocab_size"])
     generator = torch.Generator().manual_seed(seed)
-    extra = {} if chunk_samples is None else {"chunk_samples": chunk_samples}
     dirs: dict[str, list[str]] = {}
     for split, count in (("train", train_samples), ("val", val_samples)):
         out = root / split / "shard-00000"
@@ -46,8 +45,8 @@ def write_synthetic_store(
             aux_layer_ids=layers.aux_layer_ids,
             hidden_size=layers.hidden_size,
             meta={"backend": "synthetic"},
+            chunk_samples=chunk_samples,
             store_dtype=store_dtype,
-            **extra,
         )
         for n in range(count):
             ids = torch.randint(0, vocab_size, (length,), generator=generator, dtype=torch.int32)

@@ -76,10 +76,10 @@ def survey_one(name: str, work: Path, tokenizer: Path) -> dict:
 
     target = build_target(name, work / name, tokenizer)
     architecture = json.loads((target / "config.json").read_text())["architectures"][0]
-    layers = capture_layers(target)
+    demo = load_config(DEMO_CONFIG)
+    layers = capture_layers(target, demo["extract"]["aux_layers"])
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 49_000, (n,), generator=generator).tolist() for n in LENGTHS]
-    demo = load_config(DEMO_CONFIG)
     # The demo's capture engine, small enough that prompts are chunked; vLLM's choice of cores.
     engine = replace(
         extract_settings(demo).capture_engine(320),

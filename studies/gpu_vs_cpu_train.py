@@ -58,6 +58,9 @@ def _copy_subset(shard_dirs: list[Path], out: Path, max_bytes: float | None) -> 
         aux_layer_ids=first["aux_layer_ids"],
         hidden_size=first["hidden_size"],
         meta={**first.get("meta", {}), "subset_of": [str(d) for d in shard_dirs]},
+        # Chunked and stored as the source shards are.
+        chunk_samples=first["chunk_samples"],
+        store_dtype=first["store_dtype"],
     )
     per_token = 2 * len(first["layer_ids"]) * int(first["hidden_size"])
     used, samples, tokens = 0, 0, set()

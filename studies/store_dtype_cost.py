@@ -167,6 +167,7 @@ def phase_extract(args: argparse.Namespace) -> dict:
             base.chunk_samples,
             args.out / dtype,
             margin_bytes=0,
+            window=None,  # the stored layout
         )
         for dtype in DTYPES
     }

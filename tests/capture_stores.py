@@ -44,16 +44,21 @@ def random_samples(
 
 
 def open_writer(
-    out: str | Path, shape: StoreShape, meta: dict[str, Any], **options: Any
+    out: str | Path,
+    shape: StoreShape,
+    meta: dict[str, Any],
+    chunk_samples: int = 4,
+    store_dtype: str = BF16,
 ) -> CaptureWriter:
-    """A CaptureWriter of ``shape``; ``options``: chunk_samples, store_dtype."""
+    """A CaptureWriter of ``shape``: small chunks (4 samples), bf16 unless told."""
     return CaptureWriter(
         out,
         layer_ids=list(shape.layer_ids),
         aux_layer_ids=list(shape.aux_layer_ids),
         hidden_size=shape.hidden_size,
         meta=meta,
-        **options,
+        chunk_samples=chunk_samples,
+        store_dtype=store_dtype,
     )
 
 

@@ -15,6 +15,7 @@ from draftflow.bench.settings import BenchSettings, bench_settings
 from draftflow.capture import extract as capture_extract
 from draftflow.capture.backends import CaptureEngineSettings
 from draftflow.capture.extract import ExtractSettings, VerifySettings
+from draftflow.capture.layers import CaptureLayers, capture_layers
 from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.corpus.regenerate import ENFORCE_EAGER, RegenerateSettings
 from draftflow.data.split import SplitSettings
@@ -57,6 +58,11 @@ def capture_engine_settings(max_model_len: int, **changes: Any) -> CaptureEngine
     its engine is deterministic, with hf_dtype bfloat16, reserved_cpus 0 and a 256 MiB KV cache."""
     settings = capture_extract.extract_settings(_demo_config()).capture_engine(max_model_len)
     return dataclasses.replace(settings, **changes)
+
+
+def demo_capture_layers(model_dir: str | os.PathLike[str]) -> CaptureLayers:
+    """The layers the demo's extract jobs capture of ``model_dir`` (its extract.aux_layers)."""
+    return capture_layers(model_dir, _demo_config()["extract"]["aux_layers"])
 
 
 def verify_settings(**changes: Any) -> VerifySettings:

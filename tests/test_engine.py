@@ -78,13 +78,12 @@ def test_an_engine_that_dies_mid_call_names_the_workers_own_error(smollm2_dir: P
     the worker's exception instead."""
     import shutil
 
-    from config_support import capture_engine_settings
+    from config_support import capture_engine_settings, demo_capture_layers
 
     from draftflow.capture.backends import make_backend
-    from draftflow.capture.layers import capture_layers
     from draftflow.engine import EngineRunError
 
-    layers = capture_layers(smollm2_dir)
+    layers = demo_capture_layers(smollm2_dir)
     settings = capture_engine_settings(
         64,
         max_num_batched_tokens=1024,

@@ -15,12 +15,12 @@ from dataclasses import replace
 import pytest
 import torch
 from capture_stores import StoreShape, write_store
-from config_support import capture_engine_settings
+from config_support import capture_engine_settings, demo_capture_layers
 
 from draftflow.capture.backends import CaptureEngineSettings, make_backend
 from draftflow.capture.decoder_search import DecoderNotFoundError, find_decoder
 from draftflow.capture.extract import VerifySettings
-from draftflow.capture.layers import capture_layers, default_aux_layers
+from draftflow.capture.layers import default_aux_layers
 from draftflow.capture.verify import cosine_summary, token_cosines
 from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.engine import EngineStartError, is_multimodal_wrapper
@@ -92,7 +92,7 @@ def test_family_targets_are_what_they_claim(family_targets):
         target = family_targets(family)
         config = json.loads((target / "config.json").read_text())
         assert config["architectures"] == [vllm_class]
-        layers = capture_layers(target)
+        layers = demo_capture_layers(target)
         assert layers.aux_layer_ids == default_aux_layers(8) == [2, 4, 5]
         assert layers.hidden_size == 128
         assert is_multimodal_wrapper(target) == (family in ("kimi_k25", "llava"))
@@ -105,7 +105,7 @@ def test_family_targets_are_what_they_claim(family_targets):
 def test_hf_backend_finds_the_text_decoder(family, family_targets):
     """transformers: the decoder of a causal LM and of a wrapper's language model."""
     target = family_targets(family)
-    layers = capture_layers(target)
+    layers = demo_capture_layers(target)
     backend = make_backend("hf", target, layers.layer_ids, HF_REFERENCE)
     try:
         (states,) = backend.capture(make_prompts([20], seed=1))
@@ -126,7 +126,7 @@ def test_hf_backend_reads_a_wrapper_whose_config_class_vllm_replaced(family_targ
         model_type = "kimi_k25"
 
     target = family_targets("kimi_k25")
-    layers = capture_layers(target)
+    layers = demo_capture_layers(target)
     AutoConfig.register("kimi_k25", KimiK25Config, exist_ok=True)
     try:
         assert type(AutoConfig.from_pretrained(str(target))) is KimiK25Config
@@ -165,7 +165,7 @@ def test_verification_up_to_a_layer_loads_only_the_layers_below(family, family_t
     from draftflow.capture.verify import verify_shard
 
     target = family_targets(family)
-    layers = capture_layers(target)
+    layers = demo_capture_layers(target)
     prompts = make_prompts([20, 33, 9], seed=2)
     full = make_backend("hf", target, layers.layer_ids, HF_REFERENCE)
     try:
@@ -304,7 +304,7 @@ def test_layer_inputs_follow_each_layer_s_own_parameter_names():
 )
 def test_hooks_capture_matches_hf(family, engine, family_targets):
     target = family_targets(family)
-    layer_ids = capture_layers(target).layer_ids
+    layer_ids = demo_capture_layers(target).layer_ids
     prompts = make_prompts(LENGTHS, seed=0)
     backend = make_backend("hooks", target, layer_ids, engine)
     try:
@@ -329,7 +329,7 @@ def test_hooks_capture_matches_hf(family, engine, family_targets):
 def test_native_capture_matches_hf(family, family_targets):
     """vLLM's extractor (the CPU-safe connector) on each class that hands out aux states."""
     target = family_targets(family)
-    layer_ids = capture_layers(target).layer_ids
+    layer_ids = demo_capture_layers(target).layer_ids
     prompts = make_prompts(LENGTHS, seed=4)
     backend = make_backend("native", target, layer_ids, ENGINE)
     try:
@@ -351,7 +351,7 @@ def test_llava_on_the_cpu_build_fails_with_one_clear_error(family_targets):
     """vLLM's Llava (like its other vision wrappers but Kimi-K2.5) imports torchvision."""
     target = family_targets("llava")
     with pytest.raises(EngineStartError) as raised:
-        make_backend("hooks", target, capture_layers(target).layer_ids, ENGINE)
+        make_backend("hooks", target, demo_capture_layers(target).layer_ids, ENGINE)
     message = str(raised.value).split(" (the engine's log")[0]
     print(message)
     assert "LlavaForConditionalGeneration" in message

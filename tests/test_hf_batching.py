@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from config_support import capture_engine_settings
+from config_support import capture_engine_settings, demo_capture_layers
 
 from draftflow.capture.backends.hf import HFBackend
-from draftflow.capture.layers import capture_layers
 from draftflow.capture.verify import cosine_summary, token_cosines
 
 LENGTHS = [7, 300, 33, 120, 64, 1]
@@ -34,7 +33,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def layer_ids(smollm2_dir) -> list[int]:
-    return capture_layers(smollm2_dir).layer_ids
+    return demo_capture_layers(smollm2_dir).layer_ids
 
 
 def backend(smollm2_dir, layer_ids, dtype: str, **batching: int) -> HFBackend:

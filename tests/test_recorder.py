@@ -113,6 +113,7 @@ def test_an_unfinished_request_stays_partial_and_is_reported_missing(tmp_path: P
         max_tokens=16,
         device=torch.device("cpu"),
         out_dir=tmp_path,
+        store_dtype=BF16,
     )
     try:
         _forward(recorder, [("r1", torch.arange(0, 6))], {"r1": 10})

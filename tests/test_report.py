@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from config_support import demo_config
 
+from draftflow.bench.schedule import bench_schedule
 from draftflow.bench.tables import CSV_COLUMNS, UNIT_COLUMNS
 from draftflow.report.build import (
     ReportPaths,
@@ -349,6 +351,7 @@ def test_build_report_writes_summary_and_plots(tmp_path, bench_csv, other_csv, r
         run_dirs["extract"],
         paths,
         Bootstrap(samples=500, confidence=0.95, seed=0),
+        schedule=bench_schedule(demo_config()["bench"]),
     )
     summary = pd.read_csv(paths.summary)
     required = [
@@ -396,6 +399,7 @@ def test_build_report_tolerates_missing_training_records(tmp_path, bench_csv, ru
         [],
         paths,
         Bootstrap(samples=500, confidence=0.95, seed=0),
+        schedule=bench_schedule(demo_config()["bench"]),
     )
     markdown = Path(paths.markdown).read_text()
     assert "Training steps: unknown" in markdown

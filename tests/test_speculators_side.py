@@ -147,7 +147,7 @@ def test_speculators_renders_the_tokens_draftflow_trains_on(side, tiny_pipeline,
     command = side.server_command(
         stages.target,
         tmp_path / "hs",
-        capture_layers(stages.target).layer_ids,
+        capture_layers(stages.target, stages.config["extract"]["aux_layers"]).layer_ids,
         8997,
         {
             # Above the long conversation; the target's whole 8,192 would not fit the tiny KV cache.

@@ -138,7 +138,7 @@ def test_disk_plan_reports_the_windows_peak(tmp_path):
             for split, counts in tokens.items()
         }
     }
-    stored = plan_extract(manifest, layers, "bfloat16", 8, tmp_path, 0)
+    stored = plan_extract(manifest, layers, "bfloat16", 8, tmp_path, 0, window=None)
     sizes = {
         Path(s["output"]).name + Path(s["output"]).parent.name: s["total_bytes"]
         for s in stored["shards"]
@@ -162,9 +162,9 @@ def test_disk_plan_reports_the_windows_peak(tmp_path):
     )
     assert (
         small["fits"]
-        and not plan_extract(manifest, layers, "bfloat16", 8, tmp_path, small["margin_bytes"])[
-            "fits"
-        ]
+        and not plan_extract(
+            manifest, layers, "bfloat16", 8, tmp_path, small["margin_bytes"], window=None
+        )["fits"]
     )
 
 

@@ -37,9 +37,10 @@ def text_config(config: dict) -> dict:
 
 
 def capture_layers(
-    model_dir: str | os.PathLike[str], aux_layers: list[int] | None = None
+    model_dir: str | os.PathLike[str], aux_layers: list[int] | None
 ) -> CaptureLayers:
-    """Aux layer ids (config or the vLLM default) checked against the model's layer count."""
+    """Aux layer ids (extract.aux_layers; None: the vLLM default) checked against the model's
+    layer count."""
     config = text_config(read_json(Path(model_dir) / "config.json"))
     try:
         num_layers = int(config["num_hidden_layers"])

@@ -86,10 +86,10 @@ def plan_extract(
     chunk_samples: int,
     results_dir: str | os.PathLike[str],
     margin_bytes: int,
-    window: int | None = None,
+    window: int | None,
 ) -> dict:
     """The plan of every extract job, from the shard stage's manifest; ``window``: the
-    streamed mode's train captures on disk at once (None: the stored mode)."""
+    streamed mode's train captures on disk at once (extract.window; None: the stored mode)."""
     plans = []
     results_dir = Path(results_dir)
     for split, entry in sorted(shard_manifest["splits"].items()):

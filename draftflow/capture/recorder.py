@@ -171,7 +171,7 @@ class StateRecorder:
         out_dir: str | os.PathLike[str],
         num_slots: int = DEFAULT_SLOTS,
         filing_threads: int | None = None,
-        store_dtype: str = BF16,
+        store_dtype: str,  # extract.store_dtype
     ) -> None:
         torch_dtype(store_dtype)  # an unknown dtype fails here
         self.store_dtype = store_dtype

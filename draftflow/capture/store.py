@@ -85,9 +85,10 @@ class CaptureWriter:
         aux_layer_ids: list[int],
         hidden_size: int,
         meta: dict,
-        chunk_samples: int = 64,
+        # extract.chunk_samples and extract.store_dtype: the job's, no defaults here.
+        chunk_samples: int,
+        store_dtype: str,
         write_threads: int = 2,
-        store_dtype: str = BF16,
     ) -> None:
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")

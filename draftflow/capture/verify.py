@@ -96,7 +96,7 @@ def verify_shard(
     min_mean_cosine: float,
     min_p01_cosine: float,
     settings: CaptureEngineSettings,
-    max_layer: int | None = None,
+    max_layer: int | None,
 ) -> dict:
     """Recompute some samples with the hf backend and compare; returns the results (+ passed).
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from draftflow.capture.adapters import decoder as model_parts
 from draftflow.capture.adapters import select_runner_adapter
-from draftflow.capture.quant import BF16
 from draftflow.capture.recorder import StateRecorder
 
 # SamplingParams.extra_args key naming a request's capture file (the prompt's place in its call).
@@ -45,9 +44,7 @@ def new_request_lengths(scheduler_output: Any) -> dict[str, tuple[int, str | Non
 class HiddenStateCaptureExtension:
     """Methods mixed into vLLM's Worker; ``self`` is the worker."""
 
-    def draftflow_capture_setup(
-        self, layer_ids: list[int], out_dir: str, store_dtype: str = BF16
-    ) -> dict:
+    def draftflow_capture_setup(self, layer_ids: list[int], out_dir: str, store_dtype: str) -> dict:
         tp_rank, pp_size = model_parts.parallel_ranks()
         if pp_size != 1:
             raise RuntimeError("the hooks backend does not support pipeline parallelism")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from draftflow.bench.schedule import ONE_AT_A_TIME, SIDE_BY_SIDE
+from draftflow.bench.schedule import ONE_AT_A_TIME
 from draftflow.io import atomic_path, atomic_write_text
 from draftflow.report import plots
 from draftflow.report.summary import (
@@ -139,7 +139,7 @@ def render_markdown(
     draft: str,
     sizes: dict[str, dict[str, int]],
     bootstrap: Bootstrap,
-    schedule: str = SIDE_BY_SIDE,
+    schedule: str,
 ) -> str:
     lines = ["# draftflow summary", "", f"- Target: {target}", f"- Draft: {draft}"]
     if sizes:
@@ -258,11 +258,12 @@ def build_report(
     out: ReportPaths,
     bootstrap: Bootstrap,
     unit_csvs: Iterable[str | Path] | None = None,
-    schedule: str = SIDE_BY_SIDE,
+    *,
+    schedule: str,
 ) -> pd.DataFrame:
     """Write every report output; return the summary table. ``unit_csvs`` (the bench units
     tables) give the figures their confidence intervals; ``schedule`` is how the bench's
-    engines ran (``draftflow.bench.schedule``)."""
+    engines ran (``draftflow.bench.schedule.bench_schedule`` of the config's bench section)."""
     units = read_bench_tables(unit_csvs) if unit_csvs is not None else None
     summary = summarise(read_bench_tables(bench_csvs), units, bootstrap)
     train_log = read_train_log(train_metrics)

@@ -19,9 +19,9 @@ from capture_checks import (
     random_prompts,
     skip_native_v2_where_unsupported,
 )
+from config_support import demo_capture_layers
 
 from draftflow.capture.backends import CaptureEngineSettings, make_backend
-from draftflow.capture.layers import capture_layers
 
 LENGTHS = [7, 600, 33, 250, 120, 7, 410, 64, 300]
 MAX_MODEL_LEN = 641
@@ -40,7 +40,7 @@ def engine_settings(model_runner: str = "default", **changes) -> CaptureEngineSe
 
 @pytest.fixture(scope="module")
 def layers(smollm2_dir):
-    return capture_layers(smollm2_dir)
+    return demo_capture_layers(smollm2_dir)
 
 
 @pytest.fixture(scope="module")

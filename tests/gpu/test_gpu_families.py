@@ -16,12 +16,12 @@ from capture_checks import (
     random_prompts,
     skip_native_v2_where_unsupported,
 )
+from config_support import demo_capture_layers
 from packaging.version import Version
 
 from draftflow.capture.backends import CaptureEngineSettings, make_backend
 from draftflow.capture.backends.native import native_refusal
 from draftflow.capture.extract import VerifySettings
-from draftflow.capture.layers import capture_layers
 from draftflow.config import DEMO_CONFIG, from_section, load_config
 from draftflow.engine import EngineStartError, installed_vllm_version
 
@@ -73,7 +73,7 @@ def assert_verifies(captured, reference, layer_ids) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hooks_capture_matches_hf(family, runner, family_targets):
     target = family_targets(family)
-    layer_ids = capture_layers(target).layer_ids
+    layer_ids = demo_capture_layers(target).layer_ids
     prompts = random_prompts(LENGTHS, seed=0)
     if assert_start_refused_where_known(
         "hooks", family, target, layer_ids, engine_settings(runner)
@@ -97,7 +97,7 @@ def test_native_capture_matches_hf(family, runner, family_targets):
     V1 and under Model Runner V2 (vLLM >= 0.32), both forced."""
     skip_native_v2_where_unsupported(runner)
     target = family_targets(family)
-    layer_ids = capture_layers(target).layer_ids
+    layer_ids = demo_capture_layers(target).layer_ids
     prompts = random_prompts(LENGTHS, seed=4)
     refusal = native_refusal(target, installed_vllm_version(), cpu_build=False)
     if refusal:  # before any engine starts, in the job's words

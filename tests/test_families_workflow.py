@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from config_support import demo_target
 from workflow_support import merge, prepare_tiny_workdir, read_config, run_snakemake, write_config
 
-from draftflow.target.prepare import TARGET_INFO, prepare_target
+from draftflow.target.prepare import TARGET_INFO, prepare_configured_target
 
 
 @pytest.mark.vllm
 def test_kimi_k25_wrapper_runs_tokenize_extract_train_export(tmp_path, family_targets):
     prepared = tmp_path / "target"
-    info = prepare_target(prepared, source="hf", path=str(family_targets("kimi_k25")))
+    target = demo_target(source="hf", path=str(family_targets("kimi_k25")))
+    info = prepare_configured_target(prepared, target)
     # The text model's shape, from the wrapper's text_config.
     assert (info["num_hidden_layers"], info["hidden_size"]) == (8, 128)
     assert (prepared / TARGET_INFO).exists()

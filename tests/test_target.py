@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from config_support import demo_target
 
-from draftflow.target.prepare import TARGET_INFO, checkpoint_revision, prepare_target
+from draftflow.target.prepare import TARGET_INFO, checkpoint_revision, prepare_configured_target
 
 
 def test_dequantized_checkpoint_shape_comes_from_its_config(smollm2_dir: Path) -> None:
@@ -45,7 +46,9 @@ def test_dequantized_model_answers_greedily(smollm2_dir: Path) -> None:
 
 
 def test_hf_source_links_a_local_checkpoint(smollm2_dir: Path, tmp_path: Path) -> None:
-    info = prepare_target(tmp_path / "target", source="hf", path=str(smollm2_dir))
+    info = prepare_configured_target(
+        tmp_path / "target", demo_target(source="hf", path=str(smollm2_dir))
+    )
     linked = tmp_path / "target" / "model.safetensors"
     assert linked.is_symlink()
     assert linked.resolve() == (smollm2_dir / "model.safetensors").resolve()
@@ -63,4 +66,4 @@ def test_hf_source_links_a_local_checkpoint(smollm2_dir: Path, tmp_path: Path) -
 )
 def test_bad_target_settings_are_named(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        prepare_target(tmp_path / "target", **kwargs)
+        prepare_configured_target(tmp_path / "target", demo_target(**kwargs))

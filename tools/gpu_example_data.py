@@ -79,10 +79,12 @@ def kept_records(source: dict[str, Any], max_conversations: int, seed: int) -> l
 
 def smollm2_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer files, from the target prepare_target makes of its GGUF."""
-    from draftflow.target.prepare import prepare_target
+    from draftflow.config import DEMO_CONFIG, load_config
+    from draftflow.target.prepare import prepare_configured_target
 
     with tempfile.TemporaryDirectory() as tmp:
-        prepare_target(Path(tmp) / "smollm2", source="gguf", gguf=SMOLLM2_GGUF)
+        target = {**load_config(DEMO_CONFIG)["target"], "source": "gguf", "gguf": SMOLLM2_GGUF}
+        prepare_configured_target(Path(tmp) / "smollm2", target)
         out.mkdir(parents=True, exist_ok=True)
         for name in TOKENIZER_FILES:
             shutil.copy(Path(tmp) / "smollm2" / name, out / name)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,11 @@ def prepare_target(
     out_dir: str | os.PathLike[str],
     *,
     source: str,
-    gguf: str | None = None,
-    path: str | None = None,
-    dtype: str = "bfloat16",
-    trust_remote_code: bool = False,
-    chat_template: str | None = None,
+    gguf: str | None,
+    path: str | None,
+    dtype: str,
+    trust_remote_code: bool,
+    chat_template: str | None,
 ) -> dict[str, Any]:
     """Write the target checkpoint into ``out_dir`` and return its description.
 
@@ -185,6 +186,21 @@ def _link_hf_checkpoint(path: str, out: Path, trust_remote_code: bool) -> str:
     return f"hf:{local.resolve()}"
 
 
+def prepare_configured_target(
+    out_dir: str | os.PathLike[str], target: Mapping[str, Any]
+) -> dict[str, Any]:
+    """prepare_target with every value from a validated config's ``target`` section."""
+    return prepare_target(
+        out_dir,
+        source=target["source"],
+        gguf=target["gguf"],
+        path=target["path"],
+        dtype=target["dtype"],
+        trust_remote_code=target["trust_remote_code"],
+        chat_template=target["chat_template"],
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -194,7 +210,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    prepare_target(args.out, source=args.source, gguf=args.gguf, path=args.path, dtype=args.dtype)
+    # The schema's target section with the command line's choices (no remote code, no template).
+    prepare_target(
+        args.out,
+        source=args.source,
+        gguf=args.gguf,
+        path=args.path,
+        dtype=args.dtype,
+        trust_remote_code=False,
+        chat_template=None,
+    )
 
 
 if __name__ == "__main__":

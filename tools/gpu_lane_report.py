@@ -117,11 +117,12 @@ def main() -> None:
     logs: dict[str, str] = {}
     for archive in args.logs:
         logs.update(read_logs(archive))
+    perf = json.loads(args.perf.read_text()) if args.perf else None
+    # perf/gpu_capture.py writes a list of runs; a record of ours keeps them under "results".
+    results = (perf if isinstance(perf, list) else perf.get("results", [])) if perf else []
     versions = dict(VERSIONS.findall(logs.get("smoke.log", "")))
-    if args.perf and not versions:  # the smoke test ran in an earlier call: perf names them
-        first = json.loads(args.perf.read_text())
-        first = first[0] if isinstance(first, list) else first.get("results", [{}])[0]
-        versions = {name: first[name] for name in ("torch", "vllm") if name in first}
+    if results and not versions:  # the smoke test ran in an earlier call: perf names them
+        versions = {name: results[0][name] for name in ("torch", "vllm") if name in results[0]}
     rows = outcome_rows(logs)
     record = {
         "device": args.device,
@@ -134,10 +135,7 @@ def main() -> None:
         "tests": rows,
         "agreement_with_hf": agreement(logs),
     }
-    if args.perf:
-        perf = json.loads(args.perf.read_text())
-        # perf/gpu_capture.py writes a list of runs; a record of ours keeps them under "results".
-        results = perf if isinstance(perf, list) else perf.get("results", [])
+    if perf:
         record["capture_ratio_to_plain"] = {
             r["mode"]: r.get("ratio_to_plain") for r in results if isinstance(r, dict)
         }

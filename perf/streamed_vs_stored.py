@@ -10,7 +10,9 @@ files' wall seconds; the drafts' sha256 must agree.
         --out docs/results/streamed-vs-stored-cpu.json
 
 ``--gpu`` runs every engine and the trainer on one GPU (``engine.device: gpu``, ``--resources
-gpu=1``, as tests/gpu/test_gpu_workflow.py does), so jobs take the GPU in turn.
+gpu=1``, as tests/gpu/test_gpu_workflow.py does), so jobs take the GPU in turn. Where one command
+may not run that long, ``--runs stored`` and then ``--runs streamed --keep-workdir`` split it in
+two (the second reuses the first's upstream run; each writes its own ``--out``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def job_seconds(workdir: Path, mode: str) -> dict:
 GPU_OVERLAY = {
     "engine": {"device": "gpu"},
     "extract": {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": None},
+    "bench": {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": None, "starts": "in_turn"},
     "resources": {"train_gpus": 1},
 }
 GPU_SNAKEMAKE_ARGS = ("--cores", "8", "--resources", "gpu=1")
@@ -107,7 +110,7 @@ def measured_run(workdir: Path, mode: str, snakemake_args: tuple[str, ...]) -> d
     )
     start = time.perf_counter()
     with sampler.running():
-        run_snakemake(workdir, *snakemake_args, DRAFT, timeout=3600)
+        run_snakemake(workdir, DRAFT, *snakemake_args, timeout=3600)
     wall = time.perf_counter() - start
     if mode == "streamed":
         capture = benchmark_seconds(workdir, "benchmarks/stream/link-*/extract.tsv")
@@ -135,6 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="hooks", help="extract.backend (hooks: vLLM)")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--gpu", action="store_true", help="every job on one GPU")
+    parser.add_argument(
+        "--runs", nargs="+", choices=("stored", "streamed"), default=["stored", "streamed"]
+    )
+    parser.add_argument(
+        "--keep-workdir", action="store_true", help="reuse the upstream run a former call left"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -142,21 +151,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpu:
         config = merge(config, GPU_OVERLAY)
     snakemake_args = GPU_SNAKEMAKE_ARGS if args.gpu else CPU_SNAKEMAKE_ARGS
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    upstream = prepare_tiny_workdir(args.workdir / "upstream", args.target)
-    write_config(upstream, config)
-    run_snakemake(upstream, *snakemake_args, *UPSTREAM_TARGETS, timeout=3600)
+    upstream = args.workdir / "upstream"
+    if not (args.keep_workdir and upstream.is_dir()):
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        prepare_tiny_workdir(upstream, args.target)
+        write_config(upstream, config)
+    run_snakemake(upstream, *UPSTREAM_TARGETS, *snakemake_args, timeout=3600)
 
     runs = {}
-    stored = clone_workdir(upstream, args.workdir / "stored")
-    runs["stored"] = measured_run(stored, "stored", snakemake_args)
-    for window in args.windows:
+    stored = args.workdir / "stored"
+    if "stored" in args.runs:
+        shutil.rmtree(stored, ignore_errors=True)
+        clone_workdir(upstream, stored)
+        runs["stored"] = measured_run(stored, "stored", snakemake_args)
+    for window in args.windows if "streamed" in args.runs else ():
+        shutil.rmtree(args.workdir / f"streamed-w{window}", ignore_errors=True)
         streamed = clone_workdir(upstream, args.workdir / f"streamed-w{window}")
         set_mode(streamed, "streamed", window=window)
         runs[f"streamed_window_{window}"] = measured_run(streamed, "streamed", snakemake_args)
-        runs[f"streamed_window_{window}"]["metrics_equal_stored"] = untimed_metrics(
-            streamed
-        ) == untimed_metrics(stored)
+        if (stored / DRAFT).is_dir():
+            runs[f"streamed_window_{window}"]["metrics_equal_stored"] = untimed_metrics(
+                streamed
+            ) == untimed_metrics(stored)
     record = {
         "machine": machine(args.gpu),
         "date": datetime.date.today().isoformat(),
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{config['extract']['deterministic']}"
         ),
         "largest_train_store_bytes": max(
-            tree_bytes(d) for d in (stored / "results" / "extract" / "train").iterdir()
+            (tree_bytes(d) for d in (stored / "results" / "extract" / "train").glob("shard-*")),
+            default=None,
         ),
         "runs": runs,
         "same_draft": len({run["draft_sha256"] for run in runs.values()}) == 1,

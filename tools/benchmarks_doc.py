@@ -117,6 +117,7 @@ DEMO = "demo-2026-12-05-avx2-384.json"
 LANE_033 = "gpu-lane-033-2026-12-06.json"
 LANE_033_MLA = "gpu-lane-033-mla-2026-12-06.json"
 EXAMPLE_8B = "gpu-example-llama3.1-8b-2026-12-06.json"
+STREAMED_GPU = "streamed-vs-stored-gpu-2026-12-06.json"
 DEMO_ROWS = (
     _bench("MT-bench, k = 1", DEMO, "summary_csv[dataset=mtbench,k=1]"),
     _bench("MT-bench, k = 2", DEMO, "summary_csv[dataset=mtbench,k=2]"),
@@ -466,6 +467,34 @@ SECTIONS = (
                         ),
                     ),
                 ),
+            ),
+        ),
+    ),
+    Section(
+        "Streamed against stored on one GPU",
+        "The tiny workflow with two train shards and two epochs (`perf/streamed_vs_stored.py "
+        "--gpu`, vLLM 0.33 on one H100, jobs taking the GPU in turn): each job's wall seconds. "
+        "At this size every job is its fixed cost (process and engine start), which the streamed "
+        "mode pays once per (epoch, shard); see [storage.md](storage.md#streamed-mode-a-window-of-"
+        "the-store-instead-of-all-of-it). The run was cut by its command's time limit after three "
+        "of the streamed run's four links: its totals count those three.",
+        ("figure", "value"),
+        (
+            _one(
+                "stored: capture jobs, training job",
+                STREAMED_GPU,
+                "{} s and {} s",
+                "runs.stored.capture_job_seconds",
+                "runs.stored.train_job_seconds",
+            ),
+            _one(
+                "streamed, window 1: capture and training job per link (links finished)",
+                STREAMED_GPU,
+                "{} s and {} s ({} of {})",
+                "runs.streamed_window_1.capture_job_seconds",
+                "runs.streamed_window_1.train_job_seconds",
+                "runs.streamed_window_1.links_finished",
+                "runs.streamed_window_1.links",
             ),
         ),
     ),

@@ -86,9 +86,12 @@ test: lint
 # no GPU needed. It reads the target's config.json from TARGET_CONFIG, else from the prepared
 # target (made first: resources/target); DEVICE_MEMORY_GIB: one GPU's memory (80: an H100).
 # Then the disk plan of the extract stage (bytes per shard against the free space): runs the
-# stages up to the shards if needed, then prints results/extract/plan.json.
+# stages up to the shards if needed, then prints results/extract/plan.json. With CURVE (files of
+# studies/quality_curve.py collect, measured with this target and corpus), last the forecast of
+# the run's acceptance length and GPU time at its train tokens (python -m draftflow.forecast).
 TARGET_CONFIG ?=
 DEVICE_MEMORY_GIB ?= 80
+CURVE ?=
 plan: $(STAMP)
 ifeq ($(TARGET_CONFIG),)
 	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) resources/target/draftflow_target.json
@@ -98,6 +101,9 @@ else
 endif
 	$(BIN)/snakemake --profile profiles/default --cores $(CORES) --configfile $(CONFIG) --forcerun plan_extract -- results/extract/plan.json
 	$(BIN)/python -m draftflow.capture.plan results/extract/plan.json
+ifneq ($(CURVE),)
+	$(BIN)/python -m draftflow.forecast plan --curve $(CURVE) --extract-plan results/extract/plan.json
+endif
 
 report: $(STAMP)
 	$(BIN)/snakemake --configfile $(CONFIG) --report results/report.html

@@ -12,11 +12,16 @@ points it is wide, and every added size narrows it. The GPU seconds of each stag
 a straight line in t (the stages' fixed costs, engine starts among them, are the intercept).
 
 ``check`` fits on all points but the largest and predicts the largest, which was measured: the
-test of the method that docs/results/forecast-check.json records.
+test of the method that docs/results/forecast-check.json records. ``plan`` forecasts a run
+before it trains: its train tokens from the disk plan (results/extract/plan.json, ``make plan
+CURVE=...``), and says on what the forecast rests (the measured sizes, their configs, how far
+past the largest it reaches): a curve measured with another target or corpus says nothing about
+this run's.
 
     python -m draftflow.forecast predict --curve docs/results/quality-curve-4.json \\
         docs/results/quality-curve-5.json --tokens 6e6 --k 3
     python -m draftflow.forecast check --curve ... --out docs/results/forecast-check.json
+    python -m draftflow.forecast plan --curve ... --extract-plan results/extract/plan.json
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class CurvePoint:
     tau: dict[tuple[str, int], float]
     gpu_seconds: dict[str, float]
     source: str
+    # the config the point was measured with (the collect file's ``config``)
+    config: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +158,11 @@ def read_curve(paths: Iterable[str | Path]) -> list[CurvePoint]:
             seconds: dict[str, float] = {}
             for job, value in point.get("gpu_seconds", {}).items():
                 seconds[stage_of(job)] = seconds.get(stage_of(job), 0.0) + float(value)
-            points.append(CurvePoint(int(point["train_tokens"]), tau, seconds, str(path)))
+            points.append(
+                CurvePoint(
+                    int(point["train_tokens"]), tau, seconds, str(path), str(document["config"])
+                )
+            )
     sizes = [point.train_tokens for point in points]
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"two points of the same train tokens in {list(map(str, paths))}")
@@ -218,6 +229,54 @@ def check(points: Sequence[CurvePoint], confidence: float) -> dict[str, Any]:
     return result
 
 
+# Past this many times the largest measured size a forecast is a guess, whatever its interval.
+FAR_BEYOND = 4.0
+
+
+def planned_train_tokens(extract_plan: dict[str, Any]) -> int:
+    """A run's train tokens from its disk plan (``plan_extract``'s results/extract/plan.json):
+    the train shards' tokens, what a curve point's ``train_tokens`` counts."""
+    train = [
+        shard for shard in extract_plan["shards"] if Path(shard["output"]).parent.name == "train"
+    ]
+    if not train:
+        raise ValueError("the disk plan has no train shard")
+    return sum(int(shard["num_tokens"]) for shard in train)
+
+
+def basis(points: Sequence[CurvePoint], tokens: float) -> dict[str, Any]:
+    """On what a forecast at ``tokens`` rests: the measured sizes, where they were recorded and
+    with which configs, and how far past the largest measured size it reaches."""
+    largest = max(point.train_tokens for point in points)
+    reach = tokens / largest
+    warning = None
+    if reach > FAR_BEYOND:
+        warning = (
+            f"{reach:.1f}x the largest measured size: past {FAR_BEYOND:g}x a forecast is a guess; "
+            "measure a larger size first"
+        )
+    return {
+        "sizes": [point.train_tokens for point in points],
+        "files": sorted({point.source for point in points}),
+        "configs": sorted({point.config for point in points}),
+        "reach": round(reach, 2),
+        "warning": warning,
+    }
+
+
+def plan_forecast(
+    points: Sequence[CurvePoint],
+    extract_plan: dict[str, Any],
+    confidence: float,
+    goal: float | None = None,
+) -> dict[str, Any]:
+    """The forecast of the run that ``extract_plan`` plans, with what it rests on."""
+    tokens = planned_train_tokens(extract_plan)
+    result = forecast(points, tokens, confidence, goal)
+    result["rests_on"] = basis(points, tokens)
+    return result
+
+
 def _table(result: dict[str, Any]) -> str:
     level = round(100 * result["confidence"])
     lines = [
@@ -233,6 +292,16 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(line)
     stages = ", ".join(f"{stage} {value:.0f} s" for stage, value in result["gpu_seconds"].items())
     lines.append(f"  GPU time: {result['gpu_minutes']} min ({stages})")
+    rests_on = result.get("rests_on")
+    if rests_on:
+        lines.append(
+            f"  rests on {len(rests_on['sizes'])} measured sizes "
+            f"({', '.join(f'{t:,}' for t in rests_on['sizes'])} train tokens) measured with "
+            f"{', '.join(rests_on['configs'])}: it holds for that target and corpus, not for "
+            "another (measure three sizes of yours with studies/quality_curve.py)"
+        )
+        if rests_on["warning"]:
+            lines.append(f"  warning: {rests_on['warning']}")
     return "\n".join(lines)
 
 
@@ -240,11 +309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m draftflow.forecast", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("mode", choices=["predict", "check"])
+    parser.add_argument("mode", choices=["predict", "check", "plan"])
     parser.add_argument(
         "--curve", nargs="+", required=True, help="studies/quality_curve.py collect files"
     )
     parser.add_argument("--tokens", type=float, help="train tokens to forecast (predict)")
+    parser.add_argument(
+        "--extract-plan", help="a run's disk plan, results/extract/plan.json (plan: its tokens)"
+    )
     parser.add_argument(
         "--k", type=int, nargs="*", help="only these k (default: every k measured at every size)"
     )
@@ -259,6 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tokens is None:
             parser.error("predict needs --tokens")
         result = forecast(points, args.tokens, args.confidence, args.goal)
+        result["rests_on"] = basis(points, args.tokens)
+    elif args.mode == "plan":
+        if args.extract_plan is None:
+            parser.error("plan needs --extract-plan (results/extract/plan.json, make plan)")
+        from draftflow.io import read_json
+
+        result = plan_forecast(points, read_json(args.extract_plan), args.confidence, args.goal)
     else:
         result = check(points, args.confidence)
     if args.k:

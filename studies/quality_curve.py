@@ -57,6 +57,12 @@ OVERLAY = "curve.yaml"
 KS = [1, 2, 3, 4, 5]
 # The example's 1,024 leaves a GPU step overhead-bound.
 TOKENS_PER_BATCH = 8192
+# ``--data``'s files (tools/gpu_curve_data.py writes them), by source or prompt set name.
+DATA_FILES = {
+    "sharegpt": "sharegpt.json",
+    "mtbench": "mtbench.jsonl",
+    "humaneval": "HumanEval.jsonl.gz",
+}
 
 
 def overlay(
@@ -71,6 +77,8 @@ def overlay(
     turns: int | None = None,
     max_length: int | None = None,
     store_dtype: str | None = None,
+    variant: str | None = None,
+    data: Path | None = None,
 ) -> dict:
     """The settings one size of the curve puts over the base config; ``engine_share``: the
     fraction of the GPU each vLLM engine takes (regenerate, extract, each bench engine), so that
@@ -83,7 +91,10 @@ def overlay(
     most 192 tokens in 448): ``answer_tokens``, the most tokens of one regenerated answer;
     ``turns``, the assistant turns regenerated and kept; ``max_length``, the prompt + answers
     tokens of a sample, in regeneration and in the samples; ``store_dtype``, the capture
-    store's dtype (float8_e4m3fn halves the disk that millions of tokens take)."""
+    store's dtype (float8_e4m3fn halves the disk that millions of tokens take); ``variant``,
+    the draft variant (``train.variant``: eagle3 or eagle3.1), so that a second run in the same
+    workdir retrains and benches the other variant on the same captures; ``data``, a folder of
+    ``DATA_FILES`` in place of the data packages (a GPU machine without them)."""
     settings = {
         "corpus": {"max_conversations": conversations},
         "extract": {"num_shards": {"train": max(1, -(-conversations // per_shard)), "val": 1}},
@@ -136,6 +147,13 @@ def overlay(
         settings.setdefault("tokenize", {})["max_length"] = max_length
     if store_dtype is not None:
         settings["extract"]["store_dtype"] = store_dtype
+    if variant is not None:
+        settings["train"]["variant"] = variant
+    if data is not None:
+        path = str(Path(data).resolve() / DATA_FILES["sharegpt"])
+        settings["corpus"]["sources"] = [{"name": "sharegpt", "path": path, "format": "auto"}]
+        for dataset in settings["bench"]["datasets"]:
+            dataset["path"] = str(Path(data).resolve() / DATA_FILES[dataset["name"]])
     if not regenerate:
         del settings["corpus"]["regenerate"]
     return settings
@@ -187,6 +205,8 @@ def run(args: argparse.Namespace) -> None:
             turns=args.turns,
             max_length=args.max_length,
             store_dtype=args.store_dtype,
+            variant=args.variant,
+            data=args.data,
         )
         command = [
             sys.executable,
@@ -279,10 +299,18 @@ def _bench(workdir: Path) -> dict[str, list[dict]]:
     return read_speculative_rows(workdir / "results" / "bench")
 
 
+def _variant(workdir: Path) -> str:
+    """The variant of the draft the workdir exported, from its config.json (speculators'
+    ``fc_norm``: one RMSNorm per aux layer, EAGLE 3.1)."""
+    draft_config = json.loads((workdir / "results/train/draft/config.json").read_text())
+    return "eagle3.1" if draft_config.get("fc_norm") else "eagle3"
+
+
 def collect_point(workdir: Path) -> dict:
     """One trained workdir as a point of the curve (``bench`` empty where it did not finish)."""
     return {
         "workdir": workdir.name,
+        "variant": _variant(workdir),
         "train_tokens": _train_tokens(workdir),
         "val": _last_val(workdir),
         "bench": _bench(workdir),
@@ -411,6 +439,17 @@ def main(argv: list[str] | None = None) -> None:
         "--store-dtype",
         choices=["bfloat16", "float8_e4m3fn"],
         help="capture store dtype (default: the example's, bfloat16)",
+    )
+    run_parser.add_argument(
+        "--variant",
+        choices=["eagle3", "eagle3.1"],
+        help="draft variant (default: the example's); run again with the other on the same "
+        "--work to retrain and bench it on the same captures",
+    )
+    run_parser.add_argument(
+        "--data",
+        type=Path,
+        help="a folder from tools/gpu_curve_data.py in place of the data packages",
     )
     run_parser.add_argument("snakemake_args", nargs="*", help="passed on to snakemake")
     collect_parser = sub.add_parser("collect")

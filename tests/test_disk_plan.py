@@ -29,6 +29,8 @@ from draftflow.io import DiskFullError
 
 LAYERS = CaptureLayers(num_hidden_layers=8, hidden_size=48, aux_layer_ids=[2, 4, 5])
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def store_bytes(directory: Path) -> tuple[int, int]:
     """(tensor bytes, all bytes) of a store: each chunk's size less its safetensors header."""
@@ -274,3 +276,12 @@ def test_plan_rule_before_extraction(tmp_path, smollm2_dir):
     assert not (workdir / "results/extract/train").exists()
     assert "extract disk plan" in (workdir / "logs/extract/plan.log").read_text()
     assert "extract disk plan" in out.stdout + out.stderr
+    # make plan CURVE=...: the forecast reads this run's train tokens from the same plan.
+    from draftflow import forecast
+
+    train_tokens = shards["splits"]["train"]["tokens"]
+    assert forecast.planned_train_tokens(plan) == train_tokens
+    curve = [REPO / "docs/results/quality-curve-4.json", REPO / "docs/results/quality-curve-5.json"]
+    result = forecast.plan_forecast(forecast.read_curve(curve), plan, 0.9)
+    assert result["train_tokens"] == train_tokens
+    assert result["rests_on"]["reach"] < 1  # the tiny run is smaller than any measured size

@@ -81,3 +81,59 @@ def test_the_recorded_check_is_what_the_tool_computes_now():
     assert [row["tau"] for row in recorded["tau"]] == [row["tau"] for row in now["tau"]]
     assert [row["low"] for row in recorded["tau"]] == [row["low"] for row in now["tau"]]
     assert all(math.isfinite(row["high"]) for row in now["tau"])
+
+
+def _disk_plan(tmp_path, train_tokens, val_tokens=500):
+    """A disk plan as plan_extract writes it for make plan (two train shards and a val one)."""
+    from draftflow.capture.layers import CaptureLayers
+    from draftflow.capture.plan import plan_extract
+
+    layers = CaptureLayers(num_hidden_layers=30, hidden_size=576, aux_layer_ids=[2, 15, 27])
+    split_tokens = {"train": [train_tokens // 2, train_tokens - train_tokens // 2]}
+    split_tokens["val"] = [val_tokens]
+    manifest = {
+        "splits": {
+            split: {
+                "shards": [
+                    {"name": f"shard-{i:05d}", "path": f"{split}-{i}.parquet", "samples": 9}
+                    | {"tokens": n}
+                    for i, n in enumerate(counts)
+                ]
+            }
+            for split, counts in split_tokens.items()
+        }
+    }
+    return plan_extract(manifest, layers, "bfloat16", 8, tmp_path, 0, window=None)
+
+
+def test_make_plan_forecasts_the_run_and_says_what_it_rests_on(tmp_path, capsys):
+    """``forecast plan``: the run's train tokens from its disk plan (val shards not counted),
+    the same numbers as predict at those tokens, the measured sizes and configs it rests on,
+    and a warning where it reaches far past the largest measured size."""
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_disk_plan(tmp_path, 3_000_000)))
+    out = tmp_path / "forecast.json"
+    curve = [str(path) for path in MUON_CURVE]
+    argv = ["plan", "--curve", *curve, "--extract-plan", str(plan_path), "--out", str(out)]
+    assert forecast.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["train_tokens"] == 3_000_000
+    direct = forecast.forecast(forecast.read_curve(MUON_CURVE), 3_000_000, 0.9)
+    assert result["tau"] == direct["tau"]
+    assert result["rests_on"]["sizes"] == [250803, 503121, 1015088, 2034472]
+    assert result["rests_on"]["configs"] == ["config/examples/smollm2-gpu.yaml"]
+    assert result["rests_on"]["reach"] == pytest.approx(3_000_000 / 2034472, abs=0.01)
+    assert result["rests_on"]["warning"] is None
+    printed = capsys.readouterr().out
+    assert "rests on 4 measured sizes" in printed and "smollm2-gpu.yaml" in printed
+
+    plan_path.write_text(json.dumps(_disk_plan(tmp_path, 20_000_000)))
+    assert forecast.main(["plan", "--curve", *curve, "--extract-plan", str(plan_path)]) == 0
+    assert "warning: 9.8x the largest measured size" in capsys.readouterr().out
+
+
+def test_a_disk_plan_without_train_shards_is_refused(tmp_path):
+    plan = _disk_plan(tmp_path, 1000)
+    plan["shards"] = [s for s in plan["shards"] if "/train/" not in s["output"]]
+    with pytest.raises(ValueError, match="no train shard"):
+        forecast.planned_train_tokens(plan)

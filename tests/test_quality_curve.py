@@ -55,6 +55,7 @@ def test_a_finished_run_is_read_as_one_point(curve, tiny_pipeline, tmp_path):
         assert len(row["acceptance_per_pos"]) == row["k"]
         assert row["outputs_identical"] is True
     assert point["stage_seconds"]["train"] > 0
+    assert point["variant"] == "eagle3"  # tests/configs/tiny.yaml leaves the schema's
     curve.plot([point, point], tmp_path / "curve.png", k=2)
     assert (tmp_path / "curve.png").stat().st_size > 0
 
@@ -173,3 +174,77 @@ def test_longer_conversations_reach_regeneration_samples_and_store(curve, tmp_pa
     assert (regenerate["max_turns"], regenerate["max_tokens"]) == (1, 192)
     assert regenerate["max_model_len"] == config["tokenize"]["max_length"] == 448
     assert config["extract"]["store_dtype"] == "bfloat16"
+
+
+def test_a_variant_overlay_retrains_on_the_same_captures(curve, tmp_path):
+    """``--variant eagle3.1`` on a workdir changes the train section only: Snakemake reruns
+    train and bench, and regenerate, tokenize and extract keep their outputs."""
+    from draftflow.config import load_config
+
+    def merged(variant):
+        workdir = curve.prepare_workdir(tmp_path, 640, 4000, variant=variant)
+        return load_config(
+            workdir / curve.BASE_CONFIG,
+            workdir / curve.OVERLAY,
+            base=workdir / "config/config.yaml",
+        )
+
+    plain, variant = merged(None), merged("eagle3.1")
+    assert plain["train"]["variant"] == "eagle3" and variant["train"]["variant"] == "eagle3.1"
+    changed = {key for key in plain if plain[key] != variant[key]}
+    assert changed == {"train"}
+
+
+def test_the_carried_data_gives_the_packages_conversations(curve, tmp_path):
+    """``--data`` (tools/gpu_curve_data.py's folder, for a GPU machine without the data
+    packages): ingest keeps the same conversations under the same ids as from the package's
+    whole file, and the prompt sets are the packages' own."""
+    import importlib.util
+    import sys
+
+    from draftflow.config import load_config
+    from draftflow.corpus.ingest import ingest
+    from draftflow.resources import resolve_path
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_curve_data", REPO / "tools/gpu_curve_data.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_curve_data", tool)
+    spec.loader.exec_module(tool)
+    data = tmp_path / "data"
+    sizes = tool.write_curve_data(data, 40)
+    assert set(sizes) == set(curve.DATA_FILES.values())
+
+    def ingested(workdir):
+        config = load_config(
+            workdir / curve.BASE_CONFIG,
+            workdir / curve.OVERLAY,
+            base=workdir / "config/config.yaml",
+        )
+        out = workdir / "ingested.jsonl"
+        corpus = config["corpus"]
+        ingest(
+            corpus["sources"],
+            out,
+            workdir / "rejects.jsonl",
+            workdir / "summary.json",
+            max_conversations=corpus["max_conversations"],
+            seed=corpus["seed"],
+            on_bad_record="skip",
+        )
+        return config, out.read_text(encoding="utf-8")
+
+    packaged_config, packaged = ingested(curve.prepare_workdir(tmp_path / "packaged", 40, 4000))
+    carried_config, carried = ingested(
+        curve.prepare_workdir(tmp_path / "carried", 40, 4000, data=data)
+    )
+    assert carried == packaged and packaged.count("\n") == 40
+    for packaged_set, carried_set in zip(
+        packaged_config["bench"]["datasets"], carried_config["bench"]["datasets"], strict=True
+    ):
+        assert carried_set["path"].startswith(str(data))
+        assert (
+            Path(carried_set["path"]).read_bytes()
+            == resolve_path(packaged_set["path"]).read_bytes()
+        )

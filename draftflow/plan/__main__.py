@@ -39,15 +39,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = load_config(*args.configfile)
     if args.target_config:
-        shape = read_target_shape(args.target_config)
+        source, found = args.target_config, None
     else:
-        found = local_target_config(config)
+        source, found = "target.path's config.json", local_target_config(config)
         if found is None:
             parser.error(
                 "target.path is no local checkpoint with a config.json (a hub id, or a gguf "
                 "target): give the target's config.json with --target-config"
             )
-        shape = target_shape(found)
+    try:
+        shape = read_target_shape(args.target_config) if found is None else target_shape(found)
+    except (ValueError, KeyError, TypeError) as error:
+        # An architecture or quantization the shape is not estimated for: say which key, and
+        # what a run does without the plan (its start checks skip the checks on the shape).
+        print(
+            f"{source}: {error}\nno engine plan for this target. A run still starts: its start "
+            "checks skip the ones that need the shape; size the KV caches by hand with "
+            "extract.kv_cache_memory_bytes and bench.kv_cache_memory_bytes (config/README.md)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         notes = check_config(config, shape)
     except ConfigCheckError as error:

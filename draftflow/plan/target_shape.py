@@ -1,18 +1,21 @@
 """A target's shape from its config.json alone: layers, heads, weight bytes, KV bytes per token.
 
 config.json is read as JSON (transformers only where it leaves keys out, below), and a multimodal
-wrapper (Kimi-K2.5, Llava, Mistral3, Gemma 3, Llama 4) is read through its ``text_config`` (vLLM
-runs every draftflow engine text only, so a vision tower takes no memory). Parameters are
-counted module by module the way the HF modeling code lays them out (embeddings, attention, MLA
-or Gated DeltaNet, dense MLP, routed and shared experts with DeepSeek's ``first_k_dense_replace``
-or Llama 4's interleaving, norms, an untied lm_head); a quantized checkpoint
-(``quantization_config``: compressed-tensors, fp8, mxfp4, or a ``bits``/``group_size`` method)
-stores the modules it quantizes in fewer bytes, with its ``ignore`` list honoured.
+wrapper (Kimi-K2.5, Llava, Mistral3, Gemma 3, Llama 4, Qwen3-VL) is read through its
+``text_config`` (vLLM runs every draftflow engine text only, so a vision tower takes no memory).
+Parameters are counted module by module the way the HF modeling code lays them out (embeddings,
+attention, MLA with DeepSeek-V3.2's indexer, or Gated DeltaNet, dense MLP, routed and shared
+experts with DeepSeek's ``first_k_dense_replace``, Llama 4's interleaving or ERNIE-4.5's
+``moe_layer_*`` range, norms, an untied lm_head); a quantized checkpoint (``quantization_config``:
+compressed-tensors, fp8, mxfp4, or a ``bits``/``group_size`` method) stores the modules it
+quantizes in fewer bytes, with its ``ignore`` list honoured.
 
 KV cache, per token and device: ``2 x layers x KV heads on the device x head_dim`` elements, the
 KV heads split over tensor parallel ranks (replicated where there are fewer heads than ranks);
 MLA (DeepSeek-V2/V3, Kimi-K2) caches one latent of ``kv_lora_rank + qk_rope_head_dim`` per
-layer, which vLLM's MLA backends keep whole on every rank (it is not split over heads).
+layer, which vLLM's MLA backends keep whole on every rank (it is not split over heads); DeepSeek
+sparse attention (DeepSeek-V3.2, ``index_head_dim``) adds its indexer's keys, in fp8 with a 4-byte
+scale per 128 whatever the KV dtype, also whole on every rank.
 
 Layers differ in what they cache (``layer_types``, transformers' names): ``full_attention`` every
 token; ``sliding_attention`` (gpt-oss, Gemma 2/3, Mistral) and ``chunked_attention`` (Llama 4) the
@@ -26,8 +29,9 @@ tokens in flight are given.
 
 A config.json that leaves keys to its transformers config class (Gemma 3's ``vocab_size``, its
 sliding pattern, Llama 4's chunked layers) is completed from that class where transformers is
-installed (imported only then); an SSM hybrid or an MoE key not known here raises, naming the key,
-instead of giving a wrong number.
+installed (imported only then); an SSM hybrid, linear attention other than Gated DeltaNet
+(MiniMax's ``attn_type_list`` zeros, Kimi-Linear's ``linear_attn_config``) or an MoE key not known
+here raises, naming the key, instead of giving a wrong number.
 """
 
 from __future__ import annotations
@@ -163,6 +167,8 @@ class TargetShape:
     attention_window: int | None = None
     linear_attention_layers: int = 0
     linear_state_elements: int = 0
+    # DeepSeek sparse attention: the indexer's key cache, bytes per token and attention layer.
+    index_key_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.full_attention_layers < 0:  # built without layer kinds: every layer full
@@ -184,6 +190,11 @@ class TargetShape:
             return self.mla_latent
         return 2 * self.kv_heads_per_device(tensor_parallel_size) * self.head_dim
 
+    def _layer_token_bytes(self, kv_dtype: str, tensor_parallel_size: int) -> int:
+        """Cache bytes one token takes in one attention layer on one device."""
+        elements = self._layer_token_elements(tensor_parallel_size)
+        return elements * dtype_bytes(kv_dtype) + self.index_key_bytes
+
     def kv_bytes_per_token(
         self,
         kv_dtype: str,
@@ -202,7 +213,7 @@ class TargetShape:
             )
             return math.ceil(sequence / context)
         layers = self.full_attention_layers + self.windowed_layers
-        return layers * self._layer_token_elements(tensor_parallel_size) * dtype_bytes(kv_dtype)
+        return layers * self._layer_token_bytes(kv_dtype, tensor_parallel_size)
 
     def kv_bytes_per_sequence(
         self,
@@ -218,7 +229,7 @@ class TargetShape:
         windowed = tokens
         if self.attention_window and in_flight_tokens is not None:
             windowed = min(tokens, self.attention_window - 1 + in_flight_tokens)
-        per_layer_token = self._layer_token_elements(tensor_parallel_size) * dtype_bytes(kv_dtype)
+        per_layer_token = self._layer_token_bytes(kv_dtype, tensor_parallel_size)
         attention = per_layer_token * (
             self.full_attention_layers * tokens + self.windowed_layers * windowed
         )
@@ -230,8 +241,13 @@ class TargetShape:
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's settings (multimodal wrappers nest them)."""
-    return config.get("text_config") or config.get("language_config") or config
+    """The language model's settings (multimodal wrappers nest them; InternVL as llm_config)."""
+    return (
+        config.get("text_config")
+        or config.get("language_config")
+        or config.get("llm_config")
+        or config
+    )
 
 
 def _get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
@@ -256,6 +272,10 @@ _SSM_KEYS = (
     "ssm_state_size",
     "mamba_d_ssm",
 )
+# Linear attention other than Gated DeltaNet, named by keys of its own (Kimi-Linear's KDA layers,
+# MiniMax-Text-01's lightning attention where attn_type_list holds a 0): its weights and state are
+# not estimated here, and counting its layers as full attention would overstate the KV cache.
+_OTHER_LINEAR_KEYS = ("linear_attn_config",)
 FULL, SLIDING, CHUNKED, LINEAR = (
     "full_attention",
     "sliding_attention",
@@ -311,6 +331,19 @@ def layer_kinds(text: Mapping[str, Any]) -> tuple[str, ...]:
                 f"config.json {key}: a state-space (mamba) hybrid, whose layers' weights and "
                 "cache are not estimated here"
             )
+    for key in _OTHER_LINEAR_KEYS:
+        if text.get(key):
+            raise ValueError(
+                f"config.json {key}: linear attention other than Gated DeltaNet (Qwen3-Next), "
+                "whose weights and state are not estimated here"
+            )
+    attention_types = text.get("attn_type_list")
+    if attention_types and any(int(kind) != 1 for kind in attention_types):
+        # MiniMax: 1 is softmax attention, 0 lightning (linear) attention.
+        raise ValueError(
+            f"config.json attn_type_list has {sum(int(k) != 1 for k in attention_types)} layers "
+            "of lightning (linear) attention (0): their weights and state are not estimated here"
+        )
     given = text.get("layer_types")
     if given:
         kinds = tuple(str(kind) for kind in given)
@@ -391,6 +424,41 @@ def _linear_attention_modules(text: Mapping[str, Any], layer: int) -> list[tuple
     ]
 
 
+def _indexer_modules(text: Mapping[str, Any], prefix: str, q_in: int) -> list[tuple[str, int]]:
+    """DeepSeek sparse attention's indexer (DeepSeek-V3.2): its queries from the q LoRA, one
+    key head, a LayerNorm on it and a weight per index head; [] without index_head_dim."""
+    if not text.get("index_head_dim"):
+        return []
+    head_dim, heads = int(text["index_head_dim"]), int(text["index_n_heads"])
+    hidden = int(text["hidden_size"])
+    return [
+        (f"{prefix}.indexer.wq_b", q_in * heads * head_dim),
+        (f"{prefix}.indexer.wk", hidden * head_dim),
+        (f"{prefix}.indexer.k_norm", 2 * head_dim),
+        (f"{prefix}.indexer.weights_proj", hidden * heads),
+    ]
+
+
+def index_key_bytes(text: Mapping[str, Any]) -> int:
+    """Bytes per token and layer of the indexer's key cache: vLLM's DeepseekV32IndexerCache keeps
+    index_head_dim fp8 values and a float32 scale per 128 of them; 0 without an indexer."""
+    if not text.get("index_head_dim"):
+        return 0
+    head_dim = int(text["index_head_dim"])
+    return head_dim + head_dim // 128 * 4
+
+
+# Qwen2's model types, the VL ones' language models included.
+_QWEN2_BIAS_TYPES = (
+    "qwen2",
+    "qwen2_moe",
+    "qwen2_vl",
+    "qwen2_vl_text",
+    "qwen2_5_vl",
+    "qwen2_5_vl_text",
+)
+
+
 def _attention_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
     hidden = int(text["hidden_size"])
     heads = int(text["num_attention_heads"])
@@ -415,13 +483,16 @@ def _attention_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, i
             (f"{prefix}.kv_a_layernorm", kv_lora),
             (f"{prefix}.kv_b_proj", kv_lora * heads * (nope + v_dim)),
             (f"{prefix}.o_proj", heads * v_dim * hidden),
+            *_indexer_modules(text, prefix, int(q_lora or hidden)),
         ]
     kv_heads = int(_get(text, "num_key_value_heads", default=heads))
     head_dim = int(_get(text, "head_dim", default=hidden // heads))
-    # Qwen2 has q/k/v biases without saying so in its config; attention_bias adds o_proj's too.
-    qwen2 = text.get("model_type") in ("qwen2", "qwen2_moe")
-    bias = bool(text.get("attention_bias")) or qwen2
-    out_bias = hidden if text.get("attention_bias") else 0
+    # Qwen2 (and the Qwen2-VL / Qwen2.5-VL language models) has q/k/v biases without saying so
+    # in its config; attention_bias (ERNIE-4.5: use_bias) adds o_proj's too.
+    qwen2 = text.get("model_type") in _QWEN2_BIAS_TYPES
+    given_bias = bool(text.get("attention_bias")) or bool(text.get("use_bias"))
+    bias = given_bias or qwen2
+    out_bias = hidden if given_bias else 0
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     return [
         (f"{prefix}.q_proj", hidden * q_out + (q_out if bias else 0)),
@@ -450,6 +521,8 @@ _KNOWN_EXPERT_KEYS = frozenset(
         "num_experts_per_tok",
         "experts_per_token",
         "shared_expert_intermediate_size",
+        "moe_num_experts",
+        "moe_num_shared_experts",
     }
 )
 
@@ -475,11 +548,48 @@ def _is_moe_layer(text: Mapping[str, Any], layer: int) -> bool:
     return layer not in (text.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
 
+def _ernie_moe_layer(text: Mapping[str, Any], layer: int) -> bool:
+    """ERNIE-4.5: every moe_layer_interval-th layer from moe_layer_start_index through
+    moe_layer_end_index (-1 or absent: the last); absent keys take Ernie4_5_MoeConfig's
+    defaults (from layer 1, every layer)."""
+    start = int(_get(text, "moe_layer_start_index", default=1))
+    interval = int(_get(text, "moe_layer_interval", default=1))
+    end = int(_get(text, "moe_layer_end_index", default=-1))
+    end = int(text["num_hidden_layers"]) - 1 if end == -1 else end
+    return (layer + 1) % interval == 0 and start <= layer <= end
+
+
+def _ernie_mlp_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
+    hidden = int(text["hidden_size"])
+    prefix = f"model.layers.{layer}.mlp"
+    experts = text["moe_num_experts"]
+    if not isinstance(experts, int) or isinstance(experts, bool):
+        # ERNIE-4.5-VL: separate text and vision experts, each list entry a modality's.
+        raise ValueError(
+            f"config.json moe_num_experts {experts!r}: experts per modality (ERNIE-4.5-VL) are "
+            "not estimated here, only one int (ERNIE-4.5's text models)"
+        )
+    if text.get("moe_intermediate_size") is None:
+        raise ValueError("config.json has moe_num_experts but no moe_intermediate_size")
+    if not _ernie_moe_layer(text, layer):
+        return _gated_mlp(prefix, hidden, int(text["intermediate_size"]))
+    expert_size = int(text["moe_intermediate_size"])
+    modules = _expert_modules(prefix, experts, hidden, expert_size)
+    shared = int(text.get("moe_num_shared_experts") or 0)
+    if shared:  # one MLP of moe_intermediate_size x moe_num_shared_experts
+        modules += _gated_mlp(f"{prefix}.shared_experts", hidden, expert_size * shared)
+    # The router, with the aux-free score-correction bias (moe_statics).
+    bias = experts if text.get("moe_use_aux_free") else 0
+    return [*modules, (f"{prefix}.gate", experts * hidden + bias)]
+
+
 def _mlp_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
     hidden = int(text["hidden_size"])
     # Llama 4: intermediate_size is an expert's, intermediate_size_mlp the dense layers'.
     dense = int(_get(text, "intermediate_size_mlp", "intermediate_size"))
     prefix = f"model.layers.{layer}.mlp"
+    if text.get("moe_num_experts"):  # ERNIE-4.5
+        return _ernie_mlp_modules(text, layer)
     if text.get("n_routed_experts"):  # DeepSeek-V2/V3, Kimi-K2, GLM-4.5
         first_dense = int(text.get("first_k_dense_replace") or 0)
         frequency = int(text.get("moe_layer_freq") or 1)
@@ -510,7 +620,16 @@ def _mlp_modules(text: Mapping[str, Any], layer: int) -> list[tuple[str, int]]:
             if text.get("shared_expert_intermediate_size"):  # Qwen's sigmoid gate on it
                 modules.append((f"{prefix}.shared_expert_gate", hidden))
         return [*modules, (f"{prefix}.gate", experts * hidden)]
+    if text.get("model_type") in _PLAIN_MLP_TYPES:
+        return [
+            (f"{prefix}.up_proj", hidden * dense),
+            (f"{prefix}.down_proj", dense * hidden),
+        ]
     return _gated_mlp(prefix, hidden, dense)
+
+
+# Dense MLPs without a gate (up, activation, down): Nemotron's squared ReLU, StarCoder2's GELU.
+_PLAIN_MLP_TYPES = ("nemotron", "starcoder2")
 
 
 def _expert_modules(
@@ -606,6 +725,7 @@ def target_shape(config: Mapping[str, Any]) -> TargetShape:
         attention_window=_attention_window(text, kinds),
         linear_attention_layers=kinds.count(LINEAR),
         linear_state_elements=linear_state_elements(text) if LINEAR in kinds else 0,
+        index_key_bytes=index_key_bytes(text) if mla is not None else 0,
     )
 
 

@@ -561,7 +561,18 @@ def test_eagle3_1_trains_and_exports_one_norm_per_aux_layer(tiny_store, tmp_path
     """train.variant eagle3.1: speculators' fc_norm (one RMSNorm per aux layer, EAGLE 3.1)
     instead of one over the concatenation; the norms learn and the export names them as
     vLLM's Eagle3 Llama loads them (tests/test_bench.py runs such a draft in vLLM)."""
-    job = _job(tiny_store, tmp_path, variant="eagle3.1", max_steps=6, log_every=1, eval_every=6)
+    # The export is bf16 (a step of 2**-8 near 1.0): the lr is high enough, and the warmup short
+    # enough, that six AdamW steps move each norm past it.
+    job = _job(
+        tiny_store,
+        tmp_path,
+        variant="eagle3.1",
+        max_steps=6,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        eval_every=6,
+    )
     train(job)
     config = json.loads((Path(job.draft_dir) / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_before_fc"] is False

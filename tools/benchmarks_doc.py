@@ -118,6 +118,7 @@ LANE_033 = "gpu-lane-033-2026-12-06.json"
 LANE_033_MLA = "gpu-lane-033-mla-2026-12-06.json"
 EXAMPLE_8B = "gpu-example-llama3.1-8b-2026-12-06.json"
 STREAMED_GPU = "streamed-vs-stored-gpu-2026-12-06.json"
+VARIANT_DEMO = "variant-eagle3.1-demo-2026-12-06.json"
 DEMO_ROWS = (
     _bench("MT-bench, k = 1", DEMO, "summary_csv[dataset=mtbench,k=1]"),
     _bench("MT-bench, k = 2", DEMO, "summary_csv[dataset=mtbench,k=2]"),
@@ -336,6 +337,35 @@ SECTIONS = (
                 "{:,}",
                 "tau[prompt_set=mtbench].tokens_for_goal",
             ),
+        ),
+    ),
+    Section(
+        "Draft variants: EAGLE 3.1's per-layer norms",
+        "The demo's data and recipe on a 2-core CPU, one key changed at a time "
+        "(`studies/recipe_swaps.py`): `train.variant: eagle3.1` against the default eagle3, and a "
+        "second seed of eagle3 as the noise reference. Validation accuracy per draft position "
+        "(all positions before it correct), and τ on the demo's bench subsets at k = 2. At this "
+        "scale the variant moves the draft by less than a second seed does, so eagle3 stays the "
+        "default; see [training.md](training.md#draft-variants).",
+        ("figure", "value"),
+        tuple(
+            row
+            for name in ("eagle3-seed0", "eagle3.1-seed0", "eagle3-seed1")
+            for row in (
+                _one(
+                    f"{name}: validation accuracy at positions 1, 2, 3",
+                    VARIANT_DEMO,
+                    "{:.3f}, {:.3f}, {:.3f}",
+                    *(f"runs[name={name}].val.full_acc[{i}]" for i in range(3)),
+                ),
+                _one(
+                    f"{name}: τ at k = 2, MT-bench and HumanEval",
+                    VARIANT_DEMO,
+                    "{:.2f} and {:.2f}",
+                    f"runs[name={name}].bench.mtbench[k=2].acceptance_length",
+                    f"runs[name={name}].bench.humaneval[k=2].acceptance_length",
+                ),
+            )
         ),
     ),
     Section(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from draftflow.config import from_section
 from draftflow.io import read_json
 from draftflow.train.settings import TrainSettings
+from draftflow.workflow.script import target_dir
 
 
 @dataclass
@@ -40,3 +43,21 @@ class TrainJob:
         data = read_json(path)
         data["settings"] = from_section(TrainSettings, data["settings"], "train")
         return cls(**data)
+
+
+def rule_job(snakemake: Any, **fields: Any) -> TrainJob:
+    """The job of a training rule's script (train, train_link, train_export): what every such
+    rule reads from its inputs and params, plus the rule's own ``fields``. ``train.threads: 0``
+    takes the rule's threads."""
+    settings = from_section(TrainSettings, snakemake.params.train, "train")
+    if settings.threads == 0:
+        settings = dataclasses.replace(settings, threads=snakemake.threads)
+    return TrainJob(
+        target_dir=str(target_dir(snakemake)),
+        vocab_path=snakemake.input.vocab,
+        val_shards=list(snakemake.input.val),
+        checkpoint_dir=snakemake.params.checkpoint_dir,
+        settings=settings,
+        trust_remote_code=snakemake.params.trust_remote_code,
+        **fields,
+    )

@@ -112,6 +112,30 @@ class RegenerateSettings:
 
 
 # ------------------------------------------------------------------ engine
+def regenerate_engine_kwargs(
+    model_dir: str | os.PathLike[str],
+    engine: EngineSettings,
+    *,
+    seed: int,
+    trust_remote_code: bool,
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of the regenerate engine (``make_engine``; the engine plan
+    prints them)."""
+    from draftflow.engine import engine_kwargs
+
+    return engine_kwargs(
+        model_dir,
+        max_model_len=engine.max_model_len,
+        kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        seed=seed,
+        trust_remote_code=trust_remote_code,
+        enforce_eager=ENFORCE_EAGER,
+        extra=engine.engine_args,
+    )
+
+
 def make_engine(
     model_dir: str | os.PathLike[str],
     engine: EngineSettings,
@@ -127,18 +151,10 @@ def make_engine(
     ``tensor_parallel_size``: GPUs the engine shards the target over (the job's leased GPUs).
     The prepared checkpoint's dtype is ``engine.dtype`` already.
     """
-    from draftflow.engine import engine_env, engine_kwargs, on_cpu_build, start_engine
+    from draftflow.engine import engine_env, on_cpu_build, start_engine
 
-    kwargs = engine_kwargs(
-        model_dir,
-        max_model_len=engine.max_model_len,
-        kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
-        gpu_memory_utilization=engine.gpu_memory_utilization,
-        tensor_parallel_size=engine.tensor_parallel_size,
-        seed=seed,
-        trust_remote_code=trust_remote_code,
-        enforce_eager=ENFORCE_EAGER,
-        extra=engine.engine_args,
+    kwargs = regenerate_engine_kwargs(
+        model_dir, engine, seed=seed, trust_remote_code=trust_remote_code
     )
     # corpus.regenerate has no model runner or determinism keys: vLLM's own choices.
     env = engine_env(

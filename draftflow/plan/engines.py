@@ -124,21 +124,10 @@ def _stage_kwargs(config: Mapping[str, Any], stage: str, settings: EngineSetting
     """The ``vllm.LLM`` arguments the stage's job passes, built as the job builds them."""
     trust = bool(config["target"]["trust_remote_code"])
     if stage == "regenerate":
-        # draftflow.corpus.regenerate.make_engine's arguments.
-        from draftflow.corpus.regenerate import ENFORCE_EAGER
-        from draftflow.engine import engine_kwargs
+        from draftflow.corpus.regenerate import regenerate_engine_kwargs
 
-        return engine_kwargs(
-            MODEL_DIR,
-            max_model_len=settings.max_model_len,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            seed=int(config["corpus"]["regenerate"]["seed"]),
-            trust_remote_code=trust,
-            enforce_eager=ENFORCE_EAGER,
-            extra=settings.engine_args,
-        )
+        seed = int(config["corpus"]["regenerate"]["seed"])
+        return regenerate_engine_kwargs(MODEL_DIR, settings, seed=seed, trust_remote_code=trust)
     if stage == "extract":
         # scripts/extract.py's settings (their engine: ``settings``); the engine's context: the
         # longest sample, at most tokenize.max_length tokens, plus one.

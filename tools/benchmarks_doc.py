@@ -117,7 +117,7 @@ DEMO = "demo-2026-12-05-avx2-384.json"
 LANE_033 = "gpu-lane-033-2026-12-06.json"
 LANE_033_MLA = "gpu-lane-033-mla-2026-12-06.json"
 EXAMPLE_8B = "gpu-example-llama3.1-8b-2026-12-06.json"
-STREAMED_GPU = "streamed-vs-stored-gpu-2026-12-06.json"
+STREAMED_GPU = "streamed-vs-stored-gpu-h200-2026-12-06.json"
 VARIANT_DEMO = "variant-eagle3.1-demo-2026-12-06.json"
 DEMO_ROWS = (
     _bench("MT-bench, k = 1", DEMO, "summary_csv[dataset=mtbench,k=1]"),
@@ -503,11 +503,11 @@ SECTIONS = (
     Section(
         "Streamed against stored on one GPU",
         "The tiny workflow with two train shards and two epochs (`perf/streamed_vs_stored.py "
-        "--gpu`, vLLM 0.33 on one H100, jobs taking the GPU in turn): each job's wall seconds. "
-        "At this size every job is its fixed cost (process and engine start), which the streamed "
-        "mode pays once per (epoch, shard); see [storage.md](storage.md#streamed-mode-a-window-of-"
-        "the-store-instead-of-all-of-it). The run was cut by its command's time limit after three "
-        "of the streamed run's four links: its totals count those three.",
+        "--gpu` through `tools/gpu_streamed_pair.sh`, vLLM 0.33 on one H200, jobs taking the GPU "
+        "in turn, both runs on the same machine): each job's wall seconds, the captures' peak "
+        "bytes and the drafts' sha256. At this size every job is its fixed cost (process and "
+        "engine start), which the streamed mode pays once per (epoch, shard); see "
+        "[storage.md](storage.md#streamed-mode-a-window-of-the-store-instead-of-all-of-it).",
         ("figure", "value"),
         (
             _one(
@@ -518,20 +518,34 @@ SECTIONS = (
                 "runs.stored.train_seconds",
             ),
             _one(
-                "streamed, window 1: capture and training seconds of the links that finished",
+                "streamed, window 1: capture seconds (4 jobs), training seconds (4 links, export)",
                 STREAMED_GPU,
-                "{} s and {} s ({} of {} links)",
-                "runs.streamed_window_1.train_capture_seconds_finished_links",
-                "runs.streamed_window_1.train_seconds_finished_links",
-                "runs.streamed_window_1.links_finished",
-                "runs.streamed_window_1.links",
+                "{} s and {} s",
+                "runs.streamed_window_1.train_capture_seconds",
+                "runs.streamed_window_1.train_seconds",
             ),
             _one(
-                "one capture job, mean of the 5",
+                "streamed ÷ stored, all capture and training job seconds",
                 STREAMED_GPU,
-                "{} s",
-                "per_job_fixed_cost.capture_job_seconds_mean",
+                "{}×",
+                "summary.streamed_over_stored_job_seconds",
             ),
+            _one(
+                "one capture job (mean): stored, streamed; one link's training job (mean)",
+                STREAMED_GPU,
+                "{} s, {} s; {} s",
+                "summary.capture_job_seconds_mean_stored",
+                "summary.capture_job_seconds_mean_streamed",
+                "summary.link_train_job_seconds_mean",
+            ),
+            _one(
+                "peak captures on disk: streamed, stored (bytes)",
+                STREAMED_GPU,
+                "{:,} and {:,}",
+                "runs.streamed_window_1.peak_train_capture_bytes",
+                "runs.stored.peak_train_capture_bytes",
+            ),
+            _one("same draft (sha256)", STREAMED_GPU, "{}", "same_draft"),
         ),
     ),
     Section(
@@ -679,7 +693,13 @@ def _sources(rows: tuple[Row, ...]) -> list[str]:
 def render_benchmarks() -> str:
     lines = [BENCHMARKS_HEADER.rstrip("\n")]
     for section in SECTIONS:
-        lines += ["", f"## {section.title}", "", *textwrap.wrap(section.intro, 100), ""]
+        lines += [
+            "",
+            f"## {section.title}",
+            "",
+            *textwrap.wrap(section.intro, 100, break_on_hyphens=False),
+            "",
+        ]
         lines += render_table(section.header, section.rows, "results/")
         if section.title == "The demo":
             lines += ["", *render_table(DEMO_HEADER, DEMO_ROWS, "results/")]

@@ -211,6 +211,8 @@ def test_plan_command_prints_every_engine(capsys):
     for name in ("regenerate:", "extract train (8 jobs):", "extract val (1 jobs):", "bench k=5:"):
         assert name in out
     assert "tensor_parallel_size=8" in out and "every engine fits" in out
+    # docs/storage.md quotes this size.
+    assert "training checkpoints: 2 x 10.2 GiB" in out
 
 
 def test_plan_command_refuses_with_status_1(capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from draftflow.plan.checkpoints import format_checkpoint_plan, plan_checkpoints
 from draftflow.plan.engines import GIB, check_engine_plan, format_engine_plan, plan_engines
 
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     plan = plan_engines(config, shape, int(args.device_memory_gib * GIB))
     print(format_engine_plan(plan, shape))
+    print(format_checkpoint_plan(plan_checkpoints(config, shape)))
     for note in notes:
         print(f"note: {note}")
     try:

@@ -103,15 +103,24 @@ def kv_cache_dtype(settings: EngineSettings) -> str:
     return "fp8" if kv_dtype.startswith("fp8") else settings.dtype
 
 
-def draft_parameters(shape: TargetShape, num_layers: int, draft_vocab: int, aux: int) -> int:
-    """Parameters of speculators' EAGLE-3 draft for this target (an estimate from above)."""
+def draft_matrix_parameters(shape: TargetShape, num_layers: int, aux: int) -> int:
+    """Parameters of the draft's weight matrices that training changes: its layers and the fc
+    projection of the aux states (an estimate from above)."""
     hidden, heads, kv_heads = shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads
     head_dim = shape.head_dim
     # The first layer's attention reads the embedding and the fused aux state side by side (2H).
     attention = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * shape.intermediate_size
     fc = aux * hidden * hidden
-    return num_layers * (attention + mlp) + fc + draft_vocab * hidden + shape.vocab_size * hidden
+    return num_layers * (attention + mlp) + fc
+
+
+def draft_parameters(shape: TargetShape, num_layers: int, draft_vocab: int, aux: int) -> int:
+    """Parameters of speculators' EAGLE-3 draft for this target (an estimate from above): the
+    matrices, the lm_head over the draft vocabulary and the target's embedding."""
+    hidden = shape.hidden_size
+    matrices = draft_matrix_parameters(shape, num_layers, aux)
+    return matrices + draft_vocab * hidden + shape.vocab_size * hidden
 
 
 def draft_kv_bytes_per_token(shape: TargetShape, num_layers: int, kv_dtype: str, tp: int) -> int:
@@ -208,7 +217,7 @@ def engine_problems(
     problems = []
     gpu = engine.device == "gpu"
     one_sequence = engine.max_model_len * engine.kv_bytes_per_token
-    device = _size(device_memory_bytes)
+    device = size_text(device_memory_bytes)
     if gpu and engine.weight_bytes_per_device > device_memory_bytes:
         need_tp = math.ceil(
             engine.weight_bytes_per_device
@@ -216,7 +225,7 @@ def engine_problems(
             / (0.9 * device_memory_bytes)
         )
         problems.append(
-            f"{where}: the weights take {_size(engine.weight_bytes_per_device)} per device in "
+            f"{where}: the weights take {size_text(engine.weight_bytes_per_device)} per device in "
             f"{engine.dtype}, above the device's {device}. Fix: engine.tensor_parallel_size "
             f">= {need_tp} (a divisor of the attention heads), a quantized checkpoint, or a "
             "device with more memory (--device-memory-gib)"
@@ -228,7 +237,7 @@ def engine_problems(
         if settings.kv_cache_memory_bytes is not None:
             problems.append(
                 f"{where}: {section}.kv_cache_memory_bytes {settings.kv_cache_memory_bytes} "
-                f"({_size(settings.kv_cache_memory_bytes)}) holds "
+                f"({size_text(settings.kv_cache_memory_bytes)}) holds "
                 f"{max(0, engine.kv_cache_bytes) // engine.kv_bytes_per_token} tokens of "
                 f"{engine.kv_bytes_per_token} bytes, less than one {CONTEXT_KEY[engine.stage]} "
                 f"{engine.max_model_len}-token sequence ({one_sequence} bytes). Fix: "
@@ -240,11 +249,11 @@ def engine_problems(
             share = need / device_memory_bytes
             problems.append(
                 f"{where}: {section}.gpu_memory_utilization {engine.gpu_memory_utilization} of "
-                f"the device's {device} leaves {_size(engine.kv_cache_bytes)} for the KV "
-                f"cache after {_size(engine.weight_bytes_per_device)} of weights and "
-                f"{_size(engine.overhead_bytes)} of overhead, less than one "
+                f"the device's {device} leaves {size_text(engine.kv_cache_bytes)} for the KV "
+                f"cache after {size_text(engine.weight_bytes_per_device)} of weights and "
+                f"{size_text(engine.overhead_bytes)} of overhead, less than one "
                 f"{CONTEXT_KEY[engine.stage]} {engine.max_model_len}-token sequence "
-                f"({_size(one_sequence)}). Fix: {section}.gpu_memory_utilization >= "
+                f"({size_text(one_sequence)}). Fix: {section}.gpu_memory_utilization >= "
                 f"{math.ceil(share * 100) / 100:.2f}"
                 + (" (above 1: raise engine.tensor_parallel_size)" if share > 1 else "")
                 + ", a shorter context, or more tensor parallel GPUs"
@@ -252,10 +261,10 @@ def engine_problems(
     total = engine.memory_bytes_per_device
     if gpu and total is not None and total > device_memory_bytes:
         problems.append(
-            f"{where}: weights {_size(engine.weight_bytes_per_device)} + KV cache "
-            f"{_size(engine.kv_cache_bytes)} ({section}.kv_cache_memory_bytes "
-            f"{settings.kv_cache_memory_bytes}) + overhead {_size(engine.overhead_bytes)} = "
-            f"{_size(total)} per device, above the device's {device}. Fix: a smaller "
+            f"{where}: weights {size_text(engine.weight_bytes_per_device)} + KV cache "
+            f"{size_text(engine.kv_cache_bytes)} ({section}.kv_cache_memory_bytes "
+            f"{settings.kv_cache_memory_bytes}) + overhead {size_text(engine.overhead_bytes)} = "
+            f"{size_text(total)} per device, above the device's {device}. Fix: a smaller "
             f"{section}.kv_cache_memory_bytes, or null to size it from "
             f"{section}.gpu_memory_utilization"
         )
@@ -335,9 +344,9 @@ def side_by_side_problems(
     return [
         f"bench: the {len(bench)} engines (k = {ks}) run side by side on the same "
         f"{bench[0].tensor_parallel_size} GPU(s) (bench.schedule {config['bench']['schedule']}): "
-        f"{_size(sum(known))} per device together ({' + '.join(_size(s) for s in known)}), "
-        f"above the device's {_size(device_memory_bytes)}, each with its own copy of the "
-        f"weights ({_size(bench[0].weight_bytes_per_device)}). Fix: bench.schedule: "
+        f"{size_text(sum(known))} per device together ({' + '.join(size_text(s) for s in known)}), "
+        f"above the device's {size_text(device_memory_bytes)}, each with its own copy of the "
+        f"weights ({size_text(bench[0].weight_bytes_per_device)}). Fix: bench.schedule: "
         "one_at_a_time (with bench.gpu_memory_utilization 0.9), fewer "
         "bench.num_speculative_tokens, or more engine.tensor_parallel_size"
     ]
@@ -350,7 +359,7 @@ def check_engine_plan(plan: EnginePlan) -> None:
         )
 
 
-def _size(n: int | float | None) -> str:
+def size_text(n: int | float | None) -> str:
     if n is None:
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -383,8 +392,8 @@ def format_engine_plan(plan: EnginePlan, shape: TargetShape) -> str:
             else ""
         )
         + (", text only (vision tower not built)" if shape.multimodal else ""),
-        f"device memory {_size(plan.device_memory_bytes)}; overhead per device "
-        f"{_size(ENGINE_OVERHEAD_BYTES)} (CUDA context, activations, NCCL, graphs); bench "
+        f"device memory {size_text(plan.device_memory_bytes)}; overhead per device "
+        f"{size_text(ENGINE_OVERHEAD_BYTES)} (CUDA context, activations, NCCL, graphs); bench "
         f"schedule {plan.bench_schedule}",
     ]
     for engine in plan.engines:
@@ -411,16 +420,16 @@ def format_engine_plan(plan: EnginePlan, shape: TargetShape) -> str:
             kv = f"KV cache: {engine.gpu_memory_utilization} of RAM (size not known here)"
         else:
             kv = (
-                f"KV cache {_size(max(0, engine.kv_cache_bytes))} "
+                f"KV cache {size_text(max(0, engine.kv_cache_bytes))} "
                 f"({engine.kv_tokens} tokens of {engine.kv_bytes_per_token} bytes)"
             )
         per = "per GPU" if engine.device == "gpu" else "in RAM"
         total = engine.memory_bytes_per_device
         lines.append(
-            f"  {per}: weights {_size(engine.weight_bytes_per_device)} + {kv} + overhead "
-            f"{_size(engine.overhead_bytes)}"
-            + (f" = {_size(total)}" if total is not None else "")
-            + f"; one {engine.max_model_len}-token sequence needs {_size(one)}"
+            f"  {per}: weights {size_text(engine.weight_bytes_per_device)} + {kv} + overhead "
+            f"{size_text(engine.overhead_bytes)}"
+            + (f" = {size_text(total)}" if total is not None else "")
+            + f"; one {engine.max_model_len}-token sequence needs {size_text(one)}"
             + (" [CANNOT RUN]" if engine.problems else "")
         )
     if plan.problems:

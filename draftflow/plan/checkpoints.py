@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from draftflow.plan.engines import DEFAULT_AUX_LAYERS, draft_matrix_parameters, size_text
+from draftflow.plan.engines import aux_layer_count, draft_matrix_parameters, size_text
 from draftflow.plan.target_shape import TargetShape
 
 CHECKPOINT_DIR = "results/train/checkpoints"
@@ -49,7 +49,7 @@ def vector_parameters(hidden: int, num_layers: int, aux: int) -> int:
 def plan_checkpoints(config: Mapping[str, Any], shape: TargetShape) -> CheckpointPlan:
     train = config["train"]
     num_layers = int(train["num_layers"])
-    aux = len(config["extract"]["aux_layers"] or ()) or DEFAULT_AUX_LAYERS
+    aux = aux_layer_count(config)
     matrices = draft_matrix_parameters(shape, num_layers, aux)
     vectors = vector_parameters(shape.hidden_size, num_layers, aux)
     matrix_states = MUON_STATES if train["optimizer"] == "muon" else ADAMW_STATES

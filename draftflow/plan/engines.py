@@ -103,6 +103,11 @@ def kv_cache_dtype(settings: EngineSettings) -> str:
     return "fp8" if kv_dtype.startswith("fp8") else settings.dtype
 
 
+def aux_layer_count(config: Mapping[str, Any]) -> int:
+    """How many target layers the draft reads: extract.aux_layers, else EAGLE-3's default."""
+    return len(config["extract"]["aux_layers"] or ()) or DEFAULT_AUX_LAYERS
+
+
 def draft_matrix_parameters(shape: TargetShape, num_layers: int, aux: int) -> int:
     """Parameters of the draft's weight matrices that training changes: its layers and the fc
     projection of the aux states (an estimate from above)."""
@@ -175,7 +180,7 @@ def plan_engine(
     per_token = shape.kv_bytes_per_token(kv_dtype, tp, context=max_model_len)
     if k:
         draft_layers = int(config["train"]["num_layers"])
-        aux = len(config["extract"]["aux_layers"] or ()) or DEFAULT_AUX_LAYERS
+        aux = aux_layer_count(config)
         draft = draft_parameters(shape, draft_layers, int(config["vocab"]["draft_vocab_size"]), aux)
         weights += draft * dtype_bytes(settings.dtype)
         per_token += draft_kv_bytes_per_token(shape, draft_layers, kv_dtype, tp)
